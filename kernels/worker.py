@@ -1,0 +1,75 @@
+"""The threads that run models. Exactly one thread per device touches the accelerator.
+
+``DeviceThread`` is that thread (shared by every model on the device, so models take turns rather than
+contend). ``ModelWorker`` adds, per model, a CPU thread for tokenising and padding, so the next batch is
+prepared while the current one runs. Callers on the event loop await coroutines; the threads never touch
+asyncio state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .protocol import Runner
+
+
+class DeviceThread:
+    """The single thread that owns a device: every forward, finish and warm-up runs here."""
+
+    def __init__(self, name: str = "device") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-{name}")
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        return self._pool
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    rows: np.ndarray  # one float32 row per input, in batch order
+    prepare_s: float
+    forward_s: float  # forward + finish on the device thread
+
+
+class ModelWorker:
+    """Drives one runner: tokenise and prepare on a CPU thread, forward on the device thread."""
+
+    def __init__(self, runner: Runner, device: DeviceThread) -> None:
+        self.runner = runner
+        self._device = device
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-cpu-{runner.info.name}")
+
+    async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu, self.runner.tokenize, texts)
+
+    async def run(self, batch: Sequence[Sequence[int]]) -> BatchOutput:
+        """Run one batch of complete id sequences. Raises whatever the runner raised."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        prepared = await loop.run_in_executor(self._cpu, self.runner.prepare, batch)
+        t1 = time.perf_counter()
+        rows, forward_s = await loop.run_in_executor(self._device.executor, self._forward, prepared)
+        return BatchOutput(rows=rows, prepare_s=t1 - t0, forward_s=forward_s)
+
+    def _forward(self, prepared: object) -> tuple[np.ndarray, float]:
+        # Device thread only.
+        t0 = time.perf_counter()
+        rows = self.runner.finish(self.runner.forward(prepared), prepared)
+        return rows, time.perf_counter() - t0
+
+    async def warmup(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._device.executor, self.runner.warmup)
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=True, cancel_futures=False)

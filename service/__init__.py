@@ -1,0 +1,1 @@
+"""Coalesce: an embedding micro-batching service. Installed as ``coalesce.service``."""

@@ -1,0 +1,118 @@
+"""Batch formation: a pure function of the waiting inputs' lengths, the limits and the cost model.
+
+The oldest waiting input (the anchor) is always in the next batch, so nothing starves. Around it, the
+policy picks the inputs of most similar length: in length order, every batch is a contiguous run that
+contains the anchor, because a run of neighbours wastes the least padding. Among such runs it picks the
+one that computes the most real tokens per predicted second — ``real / predict(padded_cost(n, longest))``
+— under the batch-size and padded-token limits. That single rule covers the trade-offs: a fixed cost
+per forward favours bigger batches, padding favours similar lengths, and a cost that steps with a
+bucket grid (CUDA graph cells) favours batches that fill their cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# Lengths at which padding cost is re-examined; runs are cut only where a longer input would raise the
+# batch's padded length past one of these (or past the anchor's own length).
+LENGTH_MARKS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch_size: int
+    max_batch_tokens: int  # padded tokens, as ``padded_cost`` counts them
+
+
+PaddedCost = Callable[[int, int], int]  # (inputs, longest) -> padded tokens
+Predict = Callable[[int], float]  # padded tokens -> seconds
+
+
+def window_size(limits: Limits) -> int:
+    """How many of the oldest waiting inputs the policy looks at (bounds its work per batch)."""
+    return max(256, 4 * limits.max_batch_size)
+
+
+def form_batch(
+    lengths: Sequence[int],
+    anchor: int,
+    limits: Limits,
+    padded_cost: PaddedCost,
+    predict: Predict,
+    max_size: int | None = None,
+) -> list[int]:
+    """Indices into ``lengths`` (given oldest first) of the next batch. Always contains ``anchor``.
+
+    ``max_size`` tightens ``limits.max_batch_size`` for this batch (a latency target may ask for that).
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    cap = min(limits.max_batch_size, max_size or limits.max_batch_size)
+    if cap <= 1 or n == 1:
+        return [anchor]
+    # Length order; among equal lengths the older input sits to the right, so runs ending there take it.
+    order = sorted(range(n), key=lambda i: (lengths[i], -i))
+    pos = order.index(anchor)
+    prefix = [0]
+    for i in order:
+        prefix.append(prefix[-1] + lengths[i])
+
+    best: tuple[float, int, int] = (-1.0, 1, pos)  # (real tokens per second, size, right end)
+    for r in _right_ends(order, lengths, pos):
+        longest = lengths[order[r]]
+        k_min = r - pos + 1
+        k_max = min(cap, r + 1, _most_that_fit(longest, limits.max_batch_tokens, padded_cost, cap))
+        if k_min > k_max:
+            break  # runs ending further right are longer still
+        for k in _sizes_between(k_min, k_max):
+            real = prefix[r + 1] - prefix[r + 1 - k]
+            rate = real / max(predict(padded_cost(k, longest)), 1e-12)
+            if (rate, k) > best[:2]:
+                best = (rate, k, r)
+    _, k, r = best
+    return sorted(order[r + 1 - k : r + 1])
+
+
+def _right_ends(order: Sequence[int], lengths: Sequence[int], pos: int) -> list[int]:
+    """Right ends worth trying: the anchor's own run end, then the last input under each length mark."""
+    anchor_len = lengths[order[pos]]
+    ends: list[int] = []
+    r = pos
+    marks = [anchor_len, *(m for m in LENGTH_MARKS if m > anchor_len)]
+    for mark in marks:
+        while r + 1 < len(order) and lengths[order[r + 1]] <= mark:
+            r += 1
+        if not ends or ends[-1] != r:
+            ends.append(r)
+    if ends[-1] != len(order) - 1:
+        ends.append(len(order) - 1)
+    return ends
+
+
+def _most_that_fit(longest: int, budget: int, padded_cost: PaddedCost, cap: int) -> int:
+    """Largest k ≤ cap with padded_cost(k, longest) ≤ budget (at least 1: one input always runs)."""
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if padded_cost(mid, longest) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _sizes_between(lo: int, hi: int) -> list[int]:
+    sizes = {lo, hi}
+    p = 1
+    while p < hi:
+        if p > lo:
+            sizes.add(p)
+        p *= 2
+    return sorted(sizes)
+
+
+def padding_ratio(lengths: Sequence[int], padded_tokens: int) -> float:
+    """Share of a batch's padded tokens that are padding."""
+    return 0.0 if padded_tokens <= 0 else max(0.0, 1.0 - sum(lengths) / padded_tokens)

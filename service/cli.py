@@ -1,0 +1,49 @@
+"""The ``coalesce`` command: ``serve``, ``loadtest``, ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import settings as settings_mod
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = ("serve", "loadtest", "plan")
+    if not args or args[0] in ("-h", "--help") or args[0] not in commands:
+        print(
+            "usage: coalesce {serve,loadtest,plan} [options]\n\n"
+            "  serve     run the embedding service (coalesce serve --help lists every knob)\n"
+            "  loadtest  measure a running service: open/closed loop, bursts, ramps, replays, A/B\n"
+            "  plan      capacity plan from a load-test result: replicas, cost, knob values",
+            file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout,
+        )
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        return _serve(rest)
+    from coalesce.loadtests import cli as loadtest_cli
+
+    return loadtest_cli.loadtest_main(rest) if command == "loadtest" else loadtest_cli.plan_main(rest)
+
+
+def _serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="coalesce serve",
+        description="Serve embedding models over HTTP (OpenAI-compatible), coalescing requests into "
+        "micro-batches. Every flag can also be set as a COALESCE_* environment variable.",
+    )
+    settings_mod.add_arguments(parser)
+    settings = settings_mod.from_args(parser.parse_args(argv))
+    from .gateway.server import run
+    from .logs import configure
+
+    configure(settings.log_level, settings.log_format)
+    run(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

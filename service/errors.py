@@ -1,0 +1,118 @@
+"""The one closed error hierarchy, mapped to HTTP status and the OpenAI error shape here and only here.
+
+Anything raised in a request path that is not a :class:`CoalesceError` is a bug: the error middleware
+logs it loudly and answers 500.
+"""
+
+from __future__ import annotations
+
+
+class CoalesceError(Exception):
+    """An error the client is told about. Subclasses fix the HTTP status and the OpenAI ``type``."""
+
+    status: int = 500
+    type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (``Retry-After`` for overload)."""
+        return {}
+
+
+class InvalidRequest(CoalesceError):
+    """Malformed JSON, wrong types, empty or oversized input: the caller must change the request."""
+
+    status = 400
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+
+
+class Unauthorized(CoalesceError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFound(CoalesceError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class RouteNotFound(CoalesceError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(CoalesceError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(CoalesceError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class _RetryableError(CoalesceError):
+    """An error the caller should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        # Retry-After takes whole seconds; never tell a client to retry in 0 s.
+        return {"Retry-After": str(max(1, round(self.retry_after + 0.4999)))}
+
+
+class Overloaded(_RetryableError):
+    """The queue bound would be exceeded: rejected at the door, before any work is done."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "queue_full"
+
+
+class Unavailable(_RetryableError):
+    """Not ready, draining, or a request that cannot meet its deadline."""
+
+    status = 503
+    type = "server_error"
+    default_code = "unavailable"
+
+
+class DeadlineExceeded(CoalesceError):
+    """The request's deadline passed before its result was ready; it was not computed."""
+
+    status = 504
+    type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+
+class InferenceFailed(CoalesceError):
+    """The model runner raised on a batch: the requests of that batch, and only those, get this."""
+
+    status = 500
+    type = "server_error"
+    default_code = "inference_failed"
+
+
+def error_body(
+    status: int, message: str, type_: str, param: str | None, code: str | None
+) -> dict[str, object]:
+    """The OpenAI error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def to_body(err: CoalesceError) -> dict[str, object]:
+    return error_body(err.status, err.message, err.type, err.param, err.code)

@@ -1,0 +1,148 @@
+"""The OpenAI embeddings route: validate, tokenise, submit to the batcher, fan results back in order."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Sequence
+
+import numpy as np
+from aiohttp import web
+
+from ..batching.batcher import ItemResult
+from ..errors import InvalidRequest
+from ..schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage, decode, encoder
+from .models import ServedModel, check_ids
+from .state import MODELS, SETTINGS, require_ready
+
+
+def parse_inputs(
+    raw: str | list[str | int | list[int]], max_inputs: int
+) -> tuple[list[str], list[list[int]]]:
+    """Split ``input`` into texts or token arrays (never both), rejecting what OpenAI rejects."""
+    if isinstance(raw, str):
+        items: list[str | int | list[int]] = [raw]
+    else:
+        items = raw
+    if not items:
+        raise InvalidRequest("'input' must not be an empty list.", param="input", code="empty_input")
+    if all(isinstance(x, int) for x in items):  # one token array
+        return [], [list(items)]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in items):
+        texts: list[str] = items  # type: ignore[assignment]
+        if len(texts) > max_inputs:
+            raise InvalidRequest(
+                f"'input' has {len(texts)} items; at most {max_inputs} are allowed per request.",
+                param="input",
+                code="too_many_inputs",
+            )
+        for i, text in enumerate(texts):
+            if not text:
+                raise InvalidRequest(
+                    f"Input {i} is an empty string.", param=f"input[{i}]", code="empty_input"
+                )
+        return texts, []
+    if all(isinstance(x, list) for x in items):
+        arrays: list[list[int]] = items  # type: ignore[assignment]
+        if len(arrays) > max_inputs:
+            raise InvalidRequest(
+                f"'input' has {len(arrays)} token arrays; at most {max_inputs} are allowed per request.",
+                param="input",
+                code="too_many_inputs",
+            )
+        for i, arr in enumerate(arrays):
+            if not arr:
+                raise InvalidRequest(
+                    f"Input {i} is an empty token array.", param=f"input[{i}]", code="empty_input"
+                )
+        return [], arrays
+    raise InvalidRequest(
+        "'input' must be a string, a list of strings, a token array, or a list of token arrays — not a mix.",
+        param="input",
+        code="invalid_type",
+    )
+
+
+async def encode_inputs(
+    request: web.Request, served: ServedModel, texts: Sequence[str], arrays: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Complete id sequences (special tokens added, truncated or rejected per settings)."""
+    settings = request.app[SETTINGS]
+    info = served.info
+    if texts:
+        raw = await served.worker.tokenize(texts)
+    else:
+        for i, arr in enumerate(arrays):
+            check_ids(arr, info.vocab_size, i)
+        raw = [list(a) for a in arrays]
+    room = info.max_tokens - served.specials
+    if not settings.truncate:
+        for i, ids in enumerate(raw):
+            if len(ids) > room:
+                raise InvalidRequest(
+                    f"Input {i} has {len(ids) + served.specials} tokens; model '{info.name}' takes at most "
+                    f"{info.max_tokens}. Shorten it, or run the server without --no-truncate.",
+                    param=f"input[{i}]",
+                    code="input_too_long",
+                )
+    return [served.runner.with_special_tokens(ids) for ids in raw]
+
+
+async def await_results(futures: list[asyncio.Future[ItemResult]]) -> list[ItemResult]:
+    """Await every input of a request; on failure or cancellation, cancel the rest so none is computed."""
+    try:
+        return list(await asyncio.gather(*futures))
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        raise
+
+
+def vector(row: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Truncate to ``dimensions`` and re-normalise (a truncated unit vector is no longer unit)."""
+    if dimensions is None or dimensions >= row.shape[0]:
+        return row
+    cut = row[:dimensions]
+    norm = float(np.linalg.norm(cut))
+    return cut / norm if norm > 0 else cut
+
+
+def encode_vector(v: np.ndarray, fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+    out: list[float] = v.tolist()
+    return out
+
+
+def timing_headers(results: Sequence[ItemResult]) -> dict[str, str]:
+    queue = max(r.queue_s for r in results)
+    infer = max(r.forward_s for r in results)
+    return {"x-queue-time": f"{queue * 1e3:.3f}", "x-inference-time": f"{infer * 1e3:.3f}"}
+
+
+async def create_embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings`` (and ``/embeddings``)."""
+    req = decode(await request.read(), EmbeddingRequest)
+    require_ready(request)
+    served = request.app[MODELS].get(req.model)
+    info = served.info
+    if req.dimensions is not None and not 1 <= req.dimensions <= info.dim:
+        raise InvalidRequest(
+            f"'dimensions' must be between 1 and {info.dim} for model '{info.name}'; got {req.dimensions}.",
+            param="dimensions",
+            code="invalid_dimensions",
+        )
+    texts, arrays = parse_inputs(req.input, request.app[SETTINGS].max_inputs)
+    seqs = await encode_inputs(request, served, texts, arrays)
+    results = await await_results(served.batcher.submit(seqs))
+    data = [
+        EmbeddingData(index=i, embedding=encode_vector(vector(r.row, req.dimensions), req.encoding_format))
+        for i, r in enumerate(results)
+    ]
+    tokens = sum(len(s) for s in seqs)
+    body = EmbeddingResponse(
+        data=data, model=info.name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens)
+    )
+    headers = timing_headers(results)
+    headers["x-compute-tokens"] = str(tokens)
+    return web.Response(body=encoder.encode(body), content_type="application/json", headers=headers)

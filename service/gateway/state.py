@@ -1,0 +1,54 @@
+"""Application state: typed keys, set once in ``create_app`` and frozen after start-up."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from aiohttp import web
+
+from ..errors import Unavailable
+from ..metrics import Metrics
+from ..settings import Settings
+from .models import ModelRegistry
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class Lifecycle:
+    """Where the process is between start and exit; drives /ready and admission."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.phase = Phase.STARTING
+        self.started = time.monotonic()
+        self.error: str | None = None
+        self._metrics = metrics
+
+    def set(self, phase: Phase, error: str | None = None) -> None:
+        self.phase = phase
+        self.error = error
+        self._metrics.ready.set(1 if phase is Phase.READY else 0)
+
+    @property
+    def serving(self) -> bool:
+        """Whether model routes take work: when ready, and while draining (in-flight callers, grace)."""
+        return self.phase in (Phase.READY, Phase.DRAINING)
+
+
+SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", Metrics)
+MODELS = web.AppKey("models", ModelRegistry)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+
+
+def require_ready(request: web.Request) -> None:
+    life = request.app[LIFECYCLE]
+    if not life.serving:
+        if life.phase is Phase.FAILED:
+            raise Unavailable(f"The model failed to load: {life.error}", retry_after=30, code="load_failed")
+        raise Unavailable("The model is still loading; retry shortly.", retry_after=2, code="loading")

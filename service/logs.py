@@ -1,0 +1,57 @@
+"""structlog configured once, at start-up. Request ids travel in contextvars; input text is never logged."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import msgspec
+import structlog
+
+_json = msgspec.json.Encoder()
+
+
+def _serialize(obj: Any, default: Any = None) -> str:
+    # structlog's JSONRenderer passes default=; msgspec takes enc_hook.
+    return (
+        _json.encode(obj).decode() if default is None else msgspec.json.encode(obj, enc_hook=default).decode()
+    )
+
+
+def configure(level: str = "info", fmt: str = "json") -> None:
+    """Configure structlog and the stdlib root logger (libraries log through it)."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        numeric = logging.INFO
+    renderer: Any = (
+        structlog.processors.JSONRenderer(serializer=_serialize)
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=shared,
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(numeric, logging.INFO))  # library debug logs stay off even at --log-level debug
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def get_logger(name: str) -> Any:
+    return structlog.get_logger(name)

@@ -1,0 +1,109 @@
+"""Prometheus metrics. One registry per app (so tests can run several), names under ``coalesce_``.
+
+Per-model series carry the served name as ``model``. The gauges an autoscaler scales on are
+``coalesce_queue_depth``, ``coalesce_queued_tokens`` and ``coalesce_inflight_requests``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# The *_created series double the exposition for no use of ours.
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class Metrics:
+    """Every series the service exports, on its own registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # Admission and queue.
+        self.queue_depth = Gauge(
+            "coalesce_queue_depth", "Inputs waiting to be batched.", ["model"], registry=r
+        )
+        self.queued_tokens = Gauge(
+            "coalesce_queued_tokens", "Tokens waiting to be batched.", ["model"], registry=r
+        )
+        self.inflight = Gauge("coalesce_inflight_requests", "Requests being handled right now.", registry=r)
+        self.queue_wait = Histogram(
+            "coalesce_queue_wait_seconds",
+            "Time an input waited before its batch started.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejected = Counter(
+            "coalesce_rejected_total",
+            "Requests refused or shed before compute, by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        # Batches.
+        self.batch_size = Histogram(
+            "coalesce_batch_size", "Inputs per batch.", ["model"], buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "coalesce_batch_tokens",
+            "Padded tokens per batch (what the forward costs).",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.padding_ratio = Histogram(
+            "coalesce_batch_padding_ratio",
+            "Share of a batch's padded tokens that are padding.",
+            ["model"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "coalesce_forward_seconds",
+            "Model time per batch (prepare excluded).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batches = Counter("coalesce_batches_total", "Batches run.", ["model"], registry=r)
+        self.batch_failures = Counter(
+            "coalesce_batch_failures_total", "Batches whose forward raised.", ["model"], registry=r
+        )
+        self.inputs = Counter("coalesce_inputs_total", "Inputs computed.", ["model"], registry=r)
+        self.tokens = Counter(
+            "coalesce_tokens_total", "Real (unpadded) tokens computed.", ["model"], registry=r
+        )
+        # Requests.
+        self.requests = Counter(
+            "coalesce_requests_total", "HTTP requests by route and status.", ["route", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "coalesce_request_duration_seconds",
+            "Time from request received to response ready.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Lifecycle.
+        self.ready = Gauge(
+            "coalesce_ready", "1 once models are loaded and warmed, 0 while starting or draining.", registry=r
+        )
+        self.startup_seconds = Gauge(
+            "coalesce_startup_seconds",
+            "Seconds from process start to ready, by phase.",
+            ["phase"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

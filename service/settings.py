@@ -1,0 +1,246 @@
+"""One frozen Settings object, built once at start-up from flags and ``COALESCE_*`` environment variables.
+
+Nothing else in the service reads ``os.environ``. Each knob is declared once, as a dataclass field whose
+metadata carries its help text (the trade-off it controls); the command line is generated from those
+declarations, and every flag ``--some-knob`` may also be given as ``COALESCE_SOME_KNOB``. A flag wins
+over the environment, the environment over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+ENV_PREFIX = "COALESCE_"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model to serve: its served name (None = derive from the model) and where it lives."""
+
+    name: str | None
+    path: str | None  # None = the embedded default model
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """``PATH`` or ``NAME=PATH``; an empty PATH or the word ``default`` means the embedded model."""
+    name, sep, path = text.partition("=")
+    if not sep:
+        name, path = "", text
+    path = path.strip()
+    return ModelSpec(name=name.strip() or None, path=None if path in ("", "default") else path)
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive integers, got {text!r}"
+        )
+    return values
+
+
+def _knob(help_text: str, **kw: Any) -> Any:
+    """A dataclass field that is also a command-line flag and an environment variable."""
+    default = kw.pop("default")
+    meta = {"help": help_text, **kw}
+    if isinstance(default, list | dict | set):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every knob of ``coalesce serve``. Frozen: built once, then passed down explicitly."""
+
+    models: tuple[ModelSpec, ...] = _knob(
+        "Model to serve: a sentence-transformers directory, as PATH or NAME=PATH; repeatable. "
+        "Default: the embedded all-MiniLM-L6-v2, fully offline.",
+        default=(ModelSpec(None, None),),
+        flag="--model",
+        repeat=True,
+        parse=parse_model_spec,
+    )
+    served_model_name: str | None = _knob(
+        "Name clients put in the 'model' field (single-model form). Default: the model's own name.",
+        default=None,
+    )
+    host: str = _knob(
+        "Address to listen on. 0.0.0.0 for containers; 127.0.0.1 to stay local.", default="0.0.0.0"
+    )
+    port: int = _knob("Port to listen on (the PORT variable of Cloud Run/Knative is honoured).", default=8080)
+    device: str = _knob(
+        "Where the model runs: auto (CUDA when present), cpu, cuda or cuda:N.", default="auto"
+    )
+    max_batch_size: int = _knob(
+        "Most inputs in one batch. Larger batches raise throughput under load but each one takes "
+        "longer, which the inputs in it all wait for. 1 turns batching off (the baseline).",
+        default=64,
+    )
+    max_batch_tokens: int = _knob(
+        "Most padded tokens (longest input × inputs) in one batch: bounds the memory and time of one "
+        "forward pass. Too low splits long inputs into small, inefficient batches.",
+        default=16384,
+    )
+    max_queued_tokens: int = _knob(
+        "Most tokens waiting per model. A request that would exceed it is answered 429 with "
+        "Retry-After at once, so memory stays bounded and callers back off instead of timing out.",
+        default=524288,
+    )
+    max_inputs: int = _knob("Most inputs in one request (OpenAI allows 2048).", default=2048)
+    max_body_bytes: int = _knob(
+        "Largest request body accepted (413 beyond). The default fits 2048 long inputs.",
+        default=16 * 1024 * 1024,
+    )
+    truncate: bool = _knob(
+        "Truncate inputs longer than the model's maximum (the default, like OpenAI clients expect). "
+        "--no-truncate answers 400 naming the input instead.",
+        default=True,
+    )
+    pipeline_depth: int = _knob(
+        "Batches handed to the model thread at once: 2 prepares the next batch while one runs (worth "
+        "it on a GPU, where a forward is short); 1 lets the next batch keep growing until the model is "
+        "free (better latency on CPU). 0 = 2 on CUDA, 1 on CPU.",
+        default=0,
+    )
+    shutdown_grace_s: float = _knob(
+        "After SIGTERM, seconds to keep accepting new connections while the platform removes this "
+        "replica from its endpoints (readiness is already 503). Longer loses fewer racing requests; "
+        "shorter stops sooner.",
+        default=5.0,
+    )
+    drain_timeout_s: float = _knob(
+        "After the grace delay, seconds to let queued and running requests finish; whatever is left "
+        "then is answered 503 so no caller hangs. Keep grace + drain under the platform's kill delay.",
+        default=20.0,
+    )
+    log_level: str = _knob("Log level: debug logs one line per request and per batch.", default="info")
+    log_format: str = _knob("Log format: json (for collectors) or console (for people).", default="json")
+
+    @property
+    def model_specs(self) -> tuple[ModelSpec, ...]:
+        """Models with the single-model ``--served-model-name`` applied."""
+        if self.served_model_name and len(self.models) == 1 and self.models[0].name is None:
+            return (ModelSpec(self.served_model_name, self.models[0].path),)
+        return self.models
+
+
+def _flag(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("flag", "--" + f.name.replace("_", "-")))
+
+
+def _env_name(f: dataclasses.Field[Any]) -> str:
+    return ENV_PREFIX + _flag(f).lstrip("-").replace("-", "_").upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+
+
+def _converter(f: dataclasses.Field[Any]) -> Any:
+    if "parse" in f.metadata:
+        return f.metadata["parse"]
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if kind.startswith("int") and "tuple" not in kind:
+        return int
+    if kind.startswith("float"):
+        return float
+    if kind.startswith("tuple[int"):
+        return _int_tuple
+    if kind.startswith("bool"):
+        return _parse_bool
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every Settings knob on ``parser``; defaults are left None so the environment can fill them."""
+    for f in dataclasses.fields(Settings):
+        help_text = f"{f.metadata['help']} [env {_env_name(f)}]"
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if kind.startswith("bool"):
+            parser.add_argument(
+                _flag(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif f.metadata.get("repeat"):
+            parser.add_argument(
+                _flag(f),
+                dest=f.name,
+                action="append",
+                type=_converter(f),
+                default=None,
+                help=help_text,
+                metavar=_flag(f).lstrip("-").upper(),
+            )
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            parser.add_argument(
+                _flag(f),
+                dest=f.name,
+                type=_converter(f),
+                default=None,
+                help=f"{help_text} (default: {default})",
+            )
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags over ``COALESCE_*`` environment over defaults. ``PORT`` is honoured for the port."""
+    env = dict(os.environ if environ is None else environ)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        given = getattr(args, f.name, None)
+        if given is None:
+            raw = env.get(_env_name(f))
+            if raw is None and f.name == "port":
+                raw = env.get("PORT")
+            if raw is None:
+                continue
+            convert = _converter(f)
+            try:
+                given = (
+                    [convert(p) for p in raw.split(";") if p] if f.metadata.get("repeat") else convert(raw)
+                )
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise SystemExit(f"invalid {_env_name(f)}={raw!r}: {exc}") from exc
+        if f.metadata.get("repeat"):
+            given = tuple(given)
+        values[f.name] = given
+    settings = Settings(**values)
+    _validate(settings)
+    return settings
+
+
+def build(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from a command line (without the ``serve`` word) and an environment."""
+    parser = argparse.ArgumentParser(prog="coalesce serve")
+    add_arguments(parser)
+    return from_args(parser.parse_args(list(argv)), environ)
+
+
+def _validate(s: Settings) -> None:
+    problems = []
+    for name in ("max_batch_size", "max_batch_tokens", "max_queued_tokens", "max_inputs", "max_body_bytes"):
+        if getattr(s, name) < 1:
+            problems.append(f"{name} must be at least 1")
+    if s.shutdown_grace_s < 0 or s.drain_timeout_s < 0:
+        problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
+    if not 0 <= s.pipeline_depth <= 4:
+        problems.append("pipeline_depth must be 0..4")
+    if not 0 < s.port < 65536:
+        problems.append("port must be 1..65535")
+    if s.log_format not in ("json", "console"):
+        problems.append("log_format must be json or console")
+    names = [m.name for m in s.model_specs if m.name]
+    if len(names) != len(set(names)):
+        problems.append("served model names must be unique")
+    if problems:
+        raise SystemExit("invalid settings: " + "; ".join(problems))

@@ -1,0 +1,167 @@
+"""The batcher with a fake runner: fan-out, failure isolation, cancellation, backpressure, drain."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from coalesce.kernels.fake import FakeRunner
+from coalesce.kernels.worker import DeviceThread, ModelWorker
+from coalesce.service.batching.batcher import Batcher
+from coalesce.service.batching.policy import Limits
+from coalesce.service.errors import InferenceFailed, Overloaded, Unavailable
+from coalesce.service.metrics import Metrics
+
+
+class Rig:
+    def __init__(self, runner: FakeRunner, **kw: object) -> None:
+        self.runner = runner
+        self.device = DeviceThread("test")
+        self.worker = ModelWorker(runner, self.device)
+        self.metrics = Metrics()
+        limits = kw.pop("limits", Limits(64, 16384))
+        self.batcher = Batcher(
+            self.worker,
+            model="fake",
+            limits=limits,
+            padded_cost=runner.padded_cost,  # type: ignore[arg-type]
+            metrics=self.metrics,
+            **kw,  # type: ignore[arg-type]
+        )
+        self.batcher.start()
+
+    def seqs(self, *texts: str) -> list[list[int]]:
+        return [self.runner.with_special_tokens(ids) for ids in self.runner.tokenize(list(texts))]
+
+    async def embed(self, *texts: str) -> list[np.ndarray]:
+        results = await asyncio.gather(*self.batcher.submit(self.seqs(*texts)))
+        return [r.row for r in results]
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, {"model": "fake", **labels})
+        return float(value or 0.0)
+
+    async def aclose(self) -> None:
+        await self.batcher.close()
+        self.worker.close()
+        self.device.close()
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    r = Rig(FakeRunner(batch_seconds=0.02))
+    yield r
+    await r.aclose()
+
+
+async def test_each_caller_gets_its_own_vector_while_batches_form(rig: Rig) -> None:
+    texts = [f"text number {i} with words" for i in range(60)]
+    results = await asyncio.gather(*(rig.embed(t) for t in texts))
+    for text, (row,) in zip(texts, results, strict=True):
+        np.testing.assert_allclose(row, rig.runner.expected(text), rtol=1e-6)
+    assert max(rig.runner.batches) > 1, "concurrent requests must share batches"
+    assert sum(rig.runner.batches) == 60
+    assert rig.sample("coalesce_inputs_total") == 60
+
+
+async def test_lone_request_is_dispatched_without_waiting(rig: Rig) -> None:
+    await rig.embed("alone")
+    assert rig.runner.batches == [1]
+    assert rig.sample("coalesce_queue_wait_seconds_sum") < 0.05
+
+
+async def test_multi_input_request_keeps_order(rig: Rig) -> None:
+    texts = ["a b", "c d e", "f", "g h i j"]
+    rows = await rig.embed(*texts)
+    for text, row in zip(texts, rows, strict=True):
+        np.testing.assert_allclose(row, rig.runner.expected(text), rtol=1e-6)
+
+
+async def test_runner_failure_fails_only_its_batch_and_service_recovers() -> None:
+    runner = FakeRunner(batch_seconds=0.05)
+    rig = Rig(runner)
+    try:
+        poison = runner.tokenize(["poison"])[0][0]
+        runner.fail_token = poison
+        blocker = asyncio.ensure_future(rig.embed("first batch"))  # occupies the runner
+        await asyncio.sleep(0.01)
+        bad = asyncio.ensure_future(rig.embed("poison"))
+        with pytest.raises(InferenceFailed):
+            await bad
+        assert (await blocker)[0].shape == (8,)
+        runner.fail_token = None
+        row = (await rig.embed("after the failure"))[0]
+        np.testing.assert_allclose(row, runner.expected("after the failure"), rtol=1e-6)
+        assert rig.sample("coalesce_batch_failures_total") == 1
+    finally:
+        await rig.aclose()
+
+
+async def test_cancelled_items_are_never_computed(rig: Rig) -> None:
+    blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
+    await asyncio.sleep(0.005)
+    futures = rig.batcher.submit(rig.seqs("abandoned one", "abandoned two"))
+    for f in futures:
+        f.cancel()
+    await blocker
+    await rig.embed("next")
+    assert sum(rig.runner.batches) == 2, "the cancelled inputs must not reach the runner"
+    assert rig.sample("coalesce_rejected_total", reason="cancelled") == 2
+    assert rig.batcher.queued_tokens == 0
+
+
+async def test_queue_bound_answers_overloaded_with_retry_after() -> None:
+    runner = FakeRunner(batch_seconds=0.05)
+    rig = Rig(runner, max_queued_tokens=40)
+    try:
+        admitted = [asyncio.ensure_future(rig.embed("w " * 8)) for _ in range(4)]  # 10 tokens each
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as info:
+            rig.batcher.submit(rig.seqs("one too many"))
+        assert info.value.status == 429
+        assert int(info.value.headers()["Retry-After"]) >= 1
+        for fut in admitted:
+            assert len(await fut) == 1  # everything admitted is answered
+        assert rig.batcher.queued_tokens == 0
+    finally:
+        await rig.aclose()
+
+
+async def test_drain_finishes_admitted_work_then_refuses_new() -> None:
+    runner = FakeRunner(batch_seconds=0.03)
+    rig = Rig(runner, limits=Limits(2, 16384))
+    try:
+        pending = [asyncio.ensure_future(rig.embed(f"item {i}")) for i in range(6)]
+        await asyncio.sleep(0)
+        assert await rig.batcher.drain(timeout=5)
+        assert all(len(p.result()) == 1 for p in pending)
+        with pytest.raises(Unavailable):
+            rig.batcher.submit(rig.seqs("late"))
+    finally:
+        await rig.aclose()
+
+
+async def test_close_answers_what_drain_could_not_finish() -> None:
+    runner = FakeRunner(batch_seconds=0.2)
+    rig = Rig(runner, limits=Limits(1, 16384))
+    try:
+        pending = [asyncio.ensure_future(rig.embed(f"item {i}")) for i in range(5)]
+        await asyncio.sleep(0)
+        assert not await rig.batcher.drain(timeout=0.05)
+        await rig.batcher.close()
+        outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        assert all(isinstance(o, list | Unavailable) for o in outcomes)
+        assert any(isinstance(o, Unavailable) for o in outcomes), "leftovers get a 503, not silence"
+    finally:
+        await rig.aclose()
+
+
+async def test_batch_size_one_turns_batching_off() -> None:
+    rig = Rig(FakeRunner(batch_seconds=0.01), limits=Limits(1, 16384))
+    try:
+        await asyncio.gather(*(rig.embed(f"t {i}") for i in range(10)))
+        assert rig.runner.batches == [1] * 10
+    finally:
+        await rig.aclose()

@@ -1,0 +1,53 @@
+"""The cost model fits a + b·tokens from measurements and shrugs off outliers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from coalesce.service.batching.cost import Coefficients, CostModel
+
+
+def test_recovers_a_linear_cost_from_noisy_batches() -> None:
+    rng = random.Random(0)
+    model = CostModel()
+    for _ in range(200):
+        tokens = rng.randint(16, 8192)
+        model.observe(tokens, (0.004 + 2e-5 * tokens) * rng.uniform(0.95, 1.05))
+    assert model.coef.overhead_s == pytest.approx(0.004, rel=0.3)
+    assert model.coef.per_token_s == pytest.approx(2e-5, rel=0.05)
+
+
+def test_outliers_do_not_move_the_fit() -> None:
+    rng = random.Random(1)
+    model = CostModel(window=64)
+    for i in range(64):
+        tokens = rng.randint(16, 4096)
+        seconds = 0.003 + 1e-5 * tokens
+        if i % 10 == 0:
+            seconds += 0.5  # a GC pause
+        model.observe(tokens, seconds)
+    assert model.predict(1000) == pytest.approx(0.013, rel=0.1)
+
+
+def test_adapts_when_the_hardware_changes() -> None:
+    model = CostModel(window=32)
+    for t in range(100, 3300, 100):
+        model.observe(t, 0.01 + 1e-4 * t)
+    for t in range(100, 3300, 100):
+        model.observe(t, 0.001 + 1e-6 * t)  # moved to a faster device
+    assert model.predict(1000) == pytest.approx(0.002, rel=0.1)
+
+
+def test_single_point_scales_the_prior() -> None:
+    model = CostModel(prior=Coefficients(0.001, 1e-5))
+    model.observe(100, 0.004)  # prior predicted 0.002
+    assert model.predict(100) == pytest.approx(0.004)
+
+
+def test_ignores_nonsense() -> None:
+    model = CostModel()
+    before = model.coef
+    model.observe(0, 1.0)
+    model.observe(100, -1.0)
+    assert model.coef == before

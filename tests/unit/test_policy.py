@@ -1,0 +1,121 @@
+"""Batch formation as a pure function: no asyncio, no model."""
+
+from __future__ import annotations
+
+import random
+
+from coalesce.service.batching.policy import Limits, form_batch, padding_ratio, window_size
+
+
+def eager(n: int, longest: int) -> int:
+    return n * longest
+
+
+def linear(a: float, b: float):  # type: ignore[no-untyped-def]
+    return lambda padded: a + b * padded
+
+
+CPU = linear(0.008, 0.0004)  # ~ MiniLM on 2 cores: 8 ms a batch + 0.4 ms a padded token
+GPU = linear(0.002, 1e-7)  # launch-bound: 2 ms a batch, 0.1 µs a padded token
+
+
+def test_lone_input_is_dispatched_alone() -> None:
+    assert form_batch([12], 0, Limits(64, 16384), eager, CPU) == [0]
+
+
+def test_batching_off_takes_only_the_oldest() -> None:
+    assert form_batch([12, 12, 12], 0, Limits(1, 16384), eager, CPU) == [0]
+
+
+def test_similar_inputs_fill_the_batch_up_to_the_size_cap() -> None:
+    picked = form_batch([10] * 100, 0, Limits(32, 16384), eager, CPU)
+    assert len(picked) == 32
+    assert 0 in picked
+    assert picked == list(range(32)), "among equal lengths the oldest go first"
+
+
+def test_token_budget_caps_padded_cost() -> None:
+    lengths = [100] * 50
+    picked = form_batch(lengths, 0, Limits(64, 1000), eager, CPU)
+    assert len(picked) == 10
+
+
+def test_oldest_is_always_included_even_when_it_is_the_odd_one_out() -> None:
+    lengths = [200] + [10] * 40
+    picked = form_batch(lengths, 0, Limits(64, 16384), eager, CPU)
+    assert 0 in picked
+
+
+def test_long_input_does_not_drag_short_ones_on_a_compute_bound_device() -> None:
+    # On a CPU the forward is token-bound: padding 31 short inputs to 200 tokens would cost ~20× their
+    # real work, so the long input goes alone and the short ones form the next batch.
+    lengths = [200] + [10] * 31
+    assert form_batch(lengths, 0, Limits(64, 16384), eager, CPU) == [0]
+    nxt = form_batch(lengths[1:], 0, Limits(64, 16384), eager, CPU)
+    assert len(nxt) == 31
+
+
+def test_launch_bound_device_batches_mixed_lengths_together() -> None:
+    # On a launch-bound GPU the fixed cost dominates: one batch beats two.
+    lengths = [200] + [10] * 31
+    assert len(form_batch(lengths, 0, Limits(64, 16384), eager, GPU)) == 32
+
+
+def test_short_and_long_are_grouped_by_length() -> None:
+    rng = random.Random(7)
+    lengths = [rng.choice([8, 9, 10, 11, 120, 125, 128]) for _ in range(200)]
+    picked = form_batch(lengths, 0, Limits(64, 16384), eager, CPU)
+    chosen = [lengths[i] for i in picked]
+    assert max(chosen) <= 2 * min(chosen) or len(chosen) == 1
+    padded = eager(len(chosen), max(chosen))
+    assert padding_ratio(chosen, padded) < 0.3
+
+
+def test_bucketed_cost_prefers_filling_the_cell() -> None:
+    # A graph grid of batch cells 1, 8, 32: 9 inputs cost as much as 32, so take 32 when they wait.
+    cells = (1, 8, 32)
+
+    def cell_cost(n: int, longest: int) -> int:
+        return next(c for c in cells if c >= n) * 16
+
+    picked = form_batch([12] * 40, 0, Limits(32, 16384), cell_cost, GPU)
+    assert len(picked) == 32
+
+
+def test_max_size_override_tightens_the_batch() -> None:
+    assert len(form_batch([10] * 50, 0, Limits(64, 16384), eager, CPU, max_size=5)) == 5
+
+
+def test_batches_never_exceed_limits_on_random_inputs() -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 300)
+        lengths = [rng.randint(3, 256) for _ in range(n)]
+        limits = Limits(rng.choice([1, 4, 32, 128]), rng.choice([256, 2048, 16384]))
+        predict = rng.choice([CPU, GPU])
+        picked = form_batch(lengths, 0, limits, eager, predict)
+        assert 0 in picked
+        assert len(set(picked)) == len(picked) and all(0 <= i < n for i in picked)
+        assert len(picked) <= limits.max_batch_size
+        if len(picked) > 1:
+            assert eager(len(picked), max(lengths[i] for i in picked)) <= limits.max_batch_tokens
+
+
+def test_repeated_formation_drains_everything_in_bounded_steps() -> None:
+    rng = random.Random(3)
+    lengths = [rng.randint(3, 256) for _ in range(500)]
+    waiting = list(range(len(lengths)))
+    rounds = 0
+    while waiting:
+        window = waiting[: window_size(Limits(32, 8192))]
+        picked = form_batch([lengths[i] for i in window], 0, Limits(32, 8192), eager, CPU)
+        chosen = {window[i] for i in picked}
+        assert waiting[0] in chosen  # the oldest never waits behind a newer batch
+        waiting = [i for i in waiting if i not in chosen]
+        rounds += 1
+        assert rounds <= 500
+
+
+def test_padding_ratio() -> None:
+    assert padding_ratio([10, 5], 20) == 0.25
+    assert padding_ratio([], 0) == 0.0

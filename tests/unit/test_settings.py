@@ -1,0 +1,67 @@
+"""Settings: flags over COALESCE_* environment over defaults, validated once."""
+
+from __future__ import annotations
+
+import pytest
+from coalesce.service.settings import ModelSpec, build, parse_model_spec
+
+
+def test_defaults_serve_the_embedded_model_on_8080() -> None:
+    s = build([], environ={})
+    assert s.port == 8080
+    assert s.host == "0.0.0.0"
+    assert s.model_specs == (ModelSpec(None, None),)
+    assert s.truncate is True
+
+
+def test_port_variable_is_honoured_and_flags_win() -> None:
+    assert build([], environ={"PORT": "9000"}).port == 9000
+    assert build([], environ={"PORT": "9000", "COALESCE_PORT": "9100"}).port == 9100
+    assert build(["--port", "9200"], environ={"COALESCE_PORT": "9100"}).port == 9200
+
+
+def test_environment_sets_every_kind_of_knob() -> None:
+    s = build(
+        [],
+        environ={
+            "COALESCE_MAX_BATCH_SIZE": "8",
+            "COALESCE_TRUNCATE": "false",
+            "COALESCE_DRAIN_TIMEOUT_S": "2.5",
+            "COALESCE_MODEL": "a=/models/a;b=/models/b",
+        },
+    )
+    assert s.max_batch_size == 8
+    assert s.truncate is False
+    assert s.drain_timeout_s == 2.5
+    assert s.model_specs == (ModelSpec("a", "/models/a"), ModelSpec("b", "/models/b"))
+
+
+def test_served_model_name_applies_to_the_single_model() -> None:
+    s = build(["--model", "/m/x", "--served-model-name", "my-embedder"], environ={})
+    assert s.model_specs == (ModelSpec("my-embedder", "/m/x"),)
+    assert build(["--no-truncate"], environ={}).truncate is False
+
+
+def test_model_spec_forms() -> None:
+    assert parse_model_spec("/p") == ModelSpec(None, "/p")
+    assert parse_model_spec("name=/p") == ModelSpec("name", "/p")
+    assert parse_model_spec("name=default") == ModelSpec("name", None)
+
+
+@pytest.mark.parametrize("argv", [["--max-batch-size", "0"], ["--port", "70000"], ["--log-format", "xml"]])
+def test_invalid_values_stop_start_up_with_a_message(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build(argv, environ={})
+    assert "invalid settings" in str(info.value)
+
+
+def test_invalid_environment_value_names_the_variable() -> None:
+    with pytest.raises(SystemExit) as info:
+        build([], environ={"COALESCE_MAX_BATCH_SIZE": "lots"})
+    assert "COALESCE_MAX_BATCH_SIZE" in str(info.value)
+
+
+def test_settings_are_frozen() -> None:
+    s = build([], environ={})
+    with pytest.raises(AttributeError):
+        s.port = 1  # type: ignore[misc]
