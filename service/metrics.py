@@ -50,6 +50,16 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.tenant_queued_tokens = Gauge(
+            "coalesce_tenant_queued_tokens", "Tokens waiting, per tenant.", ["model", "tenant"], registry=r
+        )
+        # The cost model the batcher sizes batches with: seconds = overhead + per_token × padded tokens.
+        self.cost_overhead = Gauge(
+            "coalesce_cost_overhead_seconds", "Fitted fixed cost of one forward.", ["model"], registry=r
+        )
+        self.cost_per_token = Gauge(
+            "coalesce_cost_per_token_seconds", "Fitted cost of one padded token.", ["model"], registry=r
+        )
         # Batches.
         self.batch_size = Histogram(
             "coalesce_batch_size", "Inputs per batch.", ["model"], buckets=_BATCH_BUCKETS, registry=r

@@ -92,6 +92,46 @@ class Settings:
         "Retry-After at once, so memory stays bounded and callers back off instead of timing out.",
         default=524288,
     )
+    tenant_max_queued_tokens: int = _knob(
+        "Most tokens one named tenant (API key or X-Tenant) may have waiting, so a flooding tenant is "
+        "refused before it fills the model's queue. 0 = half of --max-queued-tokens. Requests with no "
+        "tenant share the model-wide bound.",
+        default=0,
+    )
+    batching: str = _knob(
+        "Batching strategy: adaptive (dispatch when the model is free, size batches to the latency "
+        "target), fixed (wait up to --max-wait-ms for --max-batch-size inputs, as the peers do), or "
+        "none (one input per forward: the baseline).",
+        default="adaptive",
+    )
+    target_latency_ms: float = _knob(
+        "The p99 latency to keep: adaptive batching caps each batch so the oldest waiting input still "
+        "finishes within it. Lower favours latency over throughput; once it is lost anyway (overload), "
+        "batches go back to the size that clears the queue fastest.",
+        default=500.0,
+    )
+    max_wait_ms: float | None = _knob(
+        "fixed: the window to wait for a full batch (default 5). adaptive: hold a batch that is not full "
+        "this long when more is due soon and the target allows (default 0, off): fewer, fuller batches "
+        "cost less at the price of some latency.",
+        default=None,
+    )
+    request_timeout_ms: float = _knob(
+        "Default and cap of a request's deadline (X-Request-Timeout, ms). Requests past it, or that the "
+        "cost model says cannot make it, are answered 504/503 and never computed.",
+        default=30000.0,
+    )
+    priority_aging_ms: float = _knob(
+        "X-Priority: a waiting input moves up one class (low → normal → high) per this long, so low "
+        "priority never starves. Shorter is fairer, longer makes priorities stricter.",
+        default=1000.0,
+    )
+    api_keys_file: str | None = _knob(
+        "File of API keys, one per line: KEY TENANT [WEIGHT]. With it, model routes need "
+        "'Authorization: Bearer KEY'; the tenant shares the model by WEIGHT (default 1). /health, "
+        "/ready and /metrics stay open.",
+        default=None,
+    )
     max_inputs: int = _knob("Most inputs in one request (OpenAI allows 2048).", default=2048)
     max_body_bytes: int = _knob(
         "Largest request body accepted (413 beyond). The default fits 2048 long inputs.",
@@ -231,6 +271,14 @@ def _validate(s: Settings) -> None:
     for name in ("max_batch_size", "max_batch_tokens", "max_queued_tokens", "max_inputs", "max_body_bytes"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be at least 1")
+    if s.batching not in ("adaptive", "fixed", "none"):
+        problems.append("batching must be adaptive, fixed or none")
+    if s.target_latency_ms <= 0 or s.request_timeout_ms <= 0 or s.priority_aging_ms <= 0:
+        problems.append("target_latency_ms, request_timeout_ms and priority_aging_ms must be > 0")
+    if s.max_wait_ms is not None and s.max_wait_ms < 0:
+        problems.append("max_wait_ms must be >= 0")
+    if s.tenant_max_queued_tokens < 0:
+        problems.append("tenant_max_queued_tokens must be >= 0")
     if s.shutdown_grace_s < 0 or s.drain_timeout_s < 0:
         problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
     if not 0 <= s.pipeline_depth <= 4:

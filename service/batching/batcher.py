@@ -1,11 +1,9 @@
-"""The batcher: the single owner of one model's waiting work.
+"""The batcher: the asyncio shell around one model's :class:`Scheduler`.
 
-Handlers call :meth:`Batcher.submit` and await the futures it returns. Admission happens in ``submit``
-(a bounded queue: over the bound is a 429 now, not a timeout later). The batcher's task moves admitted
-items into its own pending list — no one else touches it — and dispatches as soon as the model has room:
-a lone request at low load waits for nobody, and while the model is busy, arrivals accumulate into the
-next batch. Every item's future is resolved on every path: result, runner error (exactly that batch's
-items), cancellation by the caller, or shutdown.
+Handlers call :meth:`Batcher.submit` and await the futures it returns. The scheduler decides (admission,
+order, batch size, shedding); the batcher's task is the single owner of the scheduler, wakes on events
+(never polls), hands batches to the engine, and resolves every future on every path: result, runner
+error (exactly that batch's items), expiry, shedding, cancellation by the caller, or shutdown.
 
 Everything here runs on the event loop; the model runs on the worker's threads.
 """
@@ -15,18 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from ..errors import InferenceFailed, Overloaded, Unavailable
+from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
-from .cost import CostModel
-from .policy import Limits, PaddedCost, form_batch, padding_ratio, window_size
+from .policy import PaddedCost, padding_ratio
+from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
 
 log = get_logger("coalesce.batcher")
 
@@ -52,52 +49,38 @@ class ItemResult:
     forward_s: float
 
 
-@dataclass(slots=True, eq=False)
-class _Item:
+@dataclass(frozen=True, slots=True)
+class _Payload:
     ids: Sequence[int]
-    arrival: float
     future: asyncio.Future[ItemResult]
-    n_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.n_tokens = len(self.ids)
 
 
 class Batcher:
     """Forms and dispatches batches for one model."""
 
     def __init__(
-        self,
-        engine: Engine,
-        *,
-        model: str,
-        limits: Limits,
-        padded_cost: PaddedCost,
-        metrics: Metrics,
-        cost: CostModel | None = None,
-        max_queued_tokens: int = 1 << 20,
-        pipeline_depth: int = 1,
+        self, engine: Engine, *, model: str, scheduler: Scheduler, padded_cost: PaddedCost, metrics: Metrics
     ) -> None:
         self._engine = engine
         self.model = model
-        self.limits = limits
+        self.scheduler = scheduler
         self._padded_cost = padded_cost
-        self.cost = cost or CostModel()
-        self.max_queued_tokens = max_queued_tokens
-        self._depth = max(1, pipeline_depth)
         self._metrics = metrics
         self._m_depth = metrics.queue_depth.labels(model)
         self._m_tokens = metrics.queued_tokens.labels(model)
-        # Shared with submit() on the same event loop: the inbox only. Pending work is _run_loop's own.
-        self._inbox: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.queued_items = 0
-        self.queued_tokens = 0
-        self._inflight = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._cancelled = 0  # futures cancelled by their callers since the last sweep
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        self._tenants_seen: set[str] = set()
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.scheduler.queued_tokens
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,142 +113,191 @@ class Batcher:
             await self._task
 
     # -- admission -----------------------------------------------------------------------------------
-    def submit(self, seqs: Sequence[Sequence[int]]) -> list[asyncio.Future[ItemResult]]:
-        """Admit one request's inputs (complete id sequences) or raise Overloaded/Unavailable."""
+    def submit(
+        self,
+        seqs: Sequence[Sequence[int]],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        weight: float = 1.0,
+        priority: int = 1,
+        deadline: float | None = None,
+    ) -> list[asyncio.Future[ItemResult]]:
+        """Admit one request's inputs (complete id sequences) or raise why not, before any work is done.
+
+        ``deadline`` is on the ``time.monotonic()`` clock.
+        """
         if self._closing:
             raise Unavailable(
                 "The server is draining; retry on another replica.", retry_after=1, code="draining"
             )
-        tokens = sum(len(s) for s in seqs)
-        if self.queued_tokens + tokens > self.max_queued_tokens:
-            self._metrics.rejected.labels(self.model, "queue_full").inc()
-            raise Overloaded(
-                f"Too much work queued for model '{self.model}' ({self.queued_tokens} tokens waiting, "
-                f"bound {self.max_queued_tokens}); retry later.",
-                retry_after=self.predicted_drain_s(),
-            )
+        now = time.monotonic()
+        refusal = self.scheduler.admit((len(s) for s in seqs), tenant, deadline, now)
+        if refusal is not None:
+            self._metrics.rejected.labels(self.model, refusal.reason).inc()
+            raise _refusal_error(refusal, self.model)
         loop = asyncio.get_running_loop()
-        now = time.monotonic()  # not loop.time(): uvloop's clock ticks in whole milliseconds
-        futures = []
+        futures: list[asyncio.Future[ItemResult]] = []
+        entries = []
         for ids in seqs:
             fut: asyncio.Future[ItemResult] = loop.create_future()
-            self._inbox.append(_Item(ids, now, fut))
+            fut.add_done_callback(self._on_future_done)
             futures.append(fut)
-        self.queued_items += len(seqs)
-        self.queued_tokens += tokens
-        self._m_depth.set(self.queued_items)
-        self._m_tokens.set(self.queued_tokens)
+            entries.append(
+                Entry(len(ids), now, tenant, weight, priority, deadline, payload=_Payload(ids, fut))
+            )
+        self.scheduler.add(entries)
+        self._tenants_seen.add(tenant)
         self._idle.clear()
         self._wake.set()
         return futures
 
-    def predicted_drain_s(self) -> float:
-        """Seconds the model needs to clear what is queued, by the cost model."""
-        batches = -(-self.queued_items // self.limits.max_batch_size)
-        return batches * self.cost.coef.overhead_s + self.queued_tokens * self.cost.coef.per_token_s
+    def _on_future_done(self, fut: asyncio.Future[ItemResult]) -> None:
+        if fut.cancelled():
+            self._cancelled += 1
+            self._wake.set()
 
     # -- the owner task ------------------------------------------------------------------------------
     async def _run_loop(self) -> None:
-        pending: list[_Item] = []  # oldest first; only this task touches it
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._inbox:
-                    pending.append(self._inbox.popleft())
-                pending = self._drop_cancelled(pending)
-                while pending and self._inflight < self._depth:
-                    batch, pending = self._next_batch(pending)
-                    self._release(batch)
-                    self._inflight += 1
-                    asyncio.get_running_loop().create_task(self._run_batch(batch))
-                if not pending and self._inflight == 0 and not self._inbox:
-                    self._idle.set()
+                self._step()
         finally:
             # Stopped (shutdown): whatever still waits is answered, never left hanging.
-            leftovers = [*pending, *self._inbox]
-            self._inbox.clear()
-            self._release(leftovers)
             err = Unavailable(
                 "The server is shutting down; retry on another replica.", retry_after=1, code="shutting_down"
             )
-            for item in leftovers:
-                if not item.future.done():
-                    item.future.set_exception(err)
+            self._answer(self.scheduler.drain_all(), err)
+            self._gauges()
 
-    def _drop_cancelled(self, pending: list[_Item]) -> list[_Item]:
-        live = [it for it in pending if not it.future.done()]
-        if len(live) != len(pending):
-            gone = [it for it in pending if it.future.done()]
-            self._metrics.rejected.labels(self.model, "cancelled").inc(len(gone))
-            self._release(gone)
-        return live
+    def _step(self) -> None:
+        sched = self.scheduler
+        if self._cancelled:
+            self._cancelled = 0
+            gone = sched.remove(lambda e: e.payload.future.done())
+            if gone:
+                self._metrics.rejected.labels(self.model, "cancelled").inc(len(gone))
+        while True:
+            decision, expired, shed = sched.next(time.monotonic())
+            if expired:
+                self._metrics.rejected.labels(self.model, "expired").inc(len(expired))
+                self._answer(
+                    expired,
+                    DeadlineExceeded("The request's deadline passed while it waited; it was not computed."),
+                )
+            if shed:
+                self._metrics.rejected.labels(self.model, "deadline_unmeetable").inc(len(shed))
+                self._answer(
+                    shed,
+                    Unavailable(
+                        "The request cannot finish before its deadline; it was not computed.",
+                        retry_after=sched.drain_s(time.monotonic()),
+                        code="deadline_unmeetable",
+                    ),
+                )
+            if isinstance(decision, Dispatch):
+                asyncio.get_running_loop().create_task(self._run_batch(decision.batch))
+                continue
+            if isinstance(decision, Wait):
+                self._wake_at(decision.until)
+            break
+        self._gauges()
+        if sched.queued_items == 0 and sched.inflight == 0:
+            self._idle.set()
 
-    def _release(self, items: Sequence[_Item]) -> None:
-        self.queued_items -= len(items)
-        self.queued_tokens -= sum(it.n_tokens for it in items)
-        self._m_depth.set(self.queued_items)
-        self._m_tokens.set(self.queued_tokens)
-
-    def _next_batch(self, pending: list[_Item]) -> tuple[list[_Item], list[_Item]]:
-        window = pending[: window_size(self.limits)]
-        picked = form_batch(
-            [it.n_tokens for it in window],
-            0,
-            self.limits,
-            self._padded_cost,
-            self.cost.predict,
+    def _wake_at(self, until: float) -> None:
+        if self._timer is not None and self._timer_at <= until:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = until
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, until - time.monotonic()), self._on_timer
         )
-        chosen = set(picked)
-        batch = [window[i] for i in picked]
-        rest = [it for i, it in enumerate(window) if i not in chosen]
-        rest.extend(pending[len(window) :])
-        return batch, rest
 
-    async def _run_batch(self, batch: list[_Item]) -> None:
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._wake.set()
+
+    def _gauges(self) -> None:
+        sched = self.scheduler
+        self._m_depth.set(sched.queued_items)
+        self._m_tokens.set(sched.queued_tokens)
+        per_tenant = sched.tenant_queued_tokens()
+        for tenant in self._tenants_seen:
+            self._metrics.tenant_queued_tokens.labels(self.model, tenant).set(per_tenant.get(tenant, 0))
+
+    @staticmethod
+    def _answer(entries: Sequence[Entry], err: CoalesceError) -> None:
+        for e in entries:
+            if not e.payload.future.done():
+                e.payload.future.set_exception(err)
+
+    async def _run_batch(self, batch: list[Entry]) -> None:
         m, model = self._metrics, self.model
         start = time.monotonic()
-        lengths = [it.n_tokens for it in batch]
+        lengths = [e.n_tokens for e in batch]
         padded = self._padded_cost(len(batch), max(lengths))
+        seconds: float | None = None
         try:
-            out = await self._engine.run([it.ids for it in batch])
+            out = await self._engine.run([e.payload.ids for e in batch])
         except Exception as exc:  # the runner's failure reaches exactly this batch
             m.batch_failures.labels(model).inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
-            err = InferenceFailed(
-                f"The model failed on the batch holding this input: {type(exc).__name__}: {exc}"
+            self._answer(
+                batch,
+                InferenceFailed(
+                    f"The model failed on the batch holding this input: {type(exc).__name__}: {exc}"
+                ),
             )
-            for it in batch:
-                if not it.future.done():
-                    it.future.set_exception(err)
         else:
-            self.cost.observe(padded, out.forward_s)
-            for it, row in zip(batch, out.rows, strict=True):
-                if not it.future.done():
-                    it.future.set_result(ItemResult(row, start - it.arrival, out.forward_s))
-            ratio = padding_ratio(lengths, padded)
-            m.batches.labels(model).inc()
-            m.inputs.labels(model).inc(len(batch))
-            m.tokens.labels(model).inc(sum(lengths))
-            m.batch_size.labels(model).observe(len(batch))
-            m.batch_tokens.labels(model).observe(padded)
-            m.padding_ratio.labels(model).observe(ratio)
-            m.forward_seconds.labels(model).observe(out.forward_s)
-            wait = m.queue_wait.labels(model)
-            for it in batch:
-                wait.observe(start - it.arrival)
-            log.debug(
-                "batch",
-                model=model,
-                size=len(batch),
-                tokens=sum(lengths),
-                padded_tokens=padded,
-                padding=round(ratio, 3),
-                queue_ms=round((start - batch[0].arrival) * 1e3, 2),
-                prepare_ms=round(out.prepare_s * 1e3, 2),
-                forward_ms=round(out.forward_s * 1e3, 2),
-                total_ms=round((time.monotonic() - start) * 1e3, 2),
-            )
+            seconds = out.forward_s
+            for e, row in zip(batch, out.rows, strict=True):
+                if not e.payload.future.done():
+                    e.payload.future.set_result(ItemResult(row, start - e.arrival, out.forward_s))
+            self._record(batch, lengths, padded, start, out)
         finally:
-            self._inflight -= 1
+            self.scheduler.done(batch, padded, seconds, time.monotonic())
+            coef = self.scheduler.cost.coef
+            m.cost_overhead.labels(model).set(coef.overhead_s)
+            m.cost_per_token.labels(model).set(coef.per_token_s)
             self._wake.set()
+
+    def _record(self, batch: list[Entry], lengths: list[int], padded: int, start: float, out: Output) -> None:
+        m, model = self._metrics, self.model
+        ratio = padding_ratio(lengths, padded)
+        m.batches.labels(model).inc()
+        m.inputs.labels(model).inc(len(batch))
+        m.tokens.labels(model).inc(sum(lengths))
+        m.batch_size.labels(model).observe(len(batch))
+        m.batch_tokens.labels(model).observe(padded)
+        m.padding_ratio.labels(model).observe(ratio)
+        m.forward_seconds.labels(model).observe(out.forward_s)
+        wait = m.queue_wait.labels(model)
+        for e in batch:
+            wait.observe(start - e.arrival)
+        log.debug(
+            "batch",
+            model=model,
+            size=len(batch),
+            tokens=sum(lengths),
+            padded_tokens=padded,
+            padding=round(ratio, 3),
+            queue_ms=round((start - min(e.arrival for e in batch)) * 1e3, 2),
+            prepare_ms=round(out.prepare_s * 1e3, 2),
+            forward_ms=round(out.forward_s * 1e3, 2),
+            total_ms=round((time.monotonic() - start) * 1e3, 2),
+        )
+
+
+def _refusal_error(refusal: Refusal, model: str) -> CoalesceError:
+    if refusal.reason == "too_large":
+        return InvalidRequest(f"Model '{model}': {refusal.message}", param="input", code="request_too_large")
+    if refusal.reason == "deadline_unmeetable":
+        return Unavailable(
+            f"Model '{model}': {refusal.message}", retry_after=refusal.retry_after, code="deadline_unmeetable"
+        )
+    return Overloaded(
+        f"Model '{model}': {refusal.message}", retry_after=refusal.retry_after, code=refusal.reason
+    )

@@ -41,10 +41,14 @@ def form_batch(
     padded_cost: PaddedCost,
     predict: Predict,
     max_size: int | None = None,
+    max_seconds: float | None = None,
 ) -> list[int]:
-    """Indices into ``lengths`` (given oldest first) of the next batch. Always contains ``anchor``.
+    """Indices into ``lengths`` of the next batch. Always contains ``anchor``.
 
-    ``max_size`` tightens ``limits.max_batch_size`` for this batch (a latency target may ask for that).
+    Among equal lengths, lower indices are preferred (callers list inputs most urgent first).
+    ``max_size`` tightens ``limits.max_batch_size`` for this batch; ``max_seconds`` keeps only batches
+    whose predicted time fits it (a latency target asks for that) — if none fits, not even the anchor
+    alone, the constraint is dropped: the deadline is lost anyway, and throughput then matters most.
     """
     n = len(lengths)
     if n == 0:
@@ -52,14 +56,34 @@ def form_batch(
     cap = min(limits.max_batch_size, max_size or limits.max_batch_size)
     if cap <= 1 or n == 1:
         return [anchor]
-    # Length order; among equal lengths the older input sits to the right, so runs ending there take it.
+    # Length order; among equal lengths the more urgent input sits to the right, so runs ending there take it.
     order = sorted(range(n), key=lambda i: (lengths[i], -i))
     pos = order.index(anchor)
     prefix = [0]
     for i in order:
         prefix.append(prefix[-1] + lengths[i])
 
-    best: tuple[float, int, int] = (-1.0, 1, pos)  # (real tokens per second, size, right end)
+    best = _best_run(lengths, order, pos, prefix, cap, limits, padded_cost, predict, max_seconds)
+    if best is None:
+        best = _best_run(lengths, order, pos, prefix, cap, limits, padded_cost, predict, None)
+    assert best is not None  # without a time limit the anchor alone always qualifies
+    k, r = best
+    return sorted(order[r + 1 - k : r + 1])
+
+
+def _best_run(
+    lengths: Sequence[int],
+    order: Sequence[int],
+    pos: int,
+    prefix: Sequence[int],
+    cap: int,
+    limits: Limits,
+    padded_cost: PaddedCost,
+    predict: Predict,
+    max_seconds: float | None,
+) -> tuple[int, int] | None:
+    """(size, right end) of the run with the most real tokens per predicted second, or None."""
+    best: tuple[float, int, int] | None = None  # (real tokens per second, size, right end)
     for r in _right_ends(order, lengths, pos):
         longest = lengths[order[r]]
         k_min = r - pos + 1
@@ -67,12 +91,16 @@ def form_batch(
         if k_min > k_max:
             break  # runs ending further right are longer still
         for k in _sizes_between(k_min, k_max):
+            seconds = predict(padded_cost(k, longest))
+            if max_seconds is not None and seconds > max_seconds and k > 1:
+                break  # larger k only take longer
+            if max_seconds is not None and seconds > max_seconds:
+                continue
             real = prefix[r + 1] - prefix[r + 1 - k]
-            rate = real / max(predict(padded_cost(k, longest)), 1e-12)
-            if (rate, k) > best[:2]:
+            rate = real / max(seconds, 1e-12)
+            if best is None or (rate, k) > best[:2]:
                 best = (rate, k, r)
-    _, k, r = best
-    return sorted(order[r + 1 - k : r + 1])
+    return None if best is None else (best[1], best[2])
 
 
 def _right_ends(order: Sequence[int], lengths: Sequence[int], pos: int) -> list[int]:

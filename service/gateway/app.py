@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 from aiohttp import web
@@ -30,12 +30,12 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..schemas import ModelCard, ModelList, encoder
 from ..settings import Settings
+from .admission import KEYS, KeyRing, authenticate
 from .embeddings import create_embeddings
 from .models import ModelRegistry, RunnerFactory, load_models
-from .state import LIFECYCLE, METRICS, MODELS, SETTINGS, Lifecycle, Phase
+from .state import LIFECYCLE, METRICS, MODELS, SETTINGS, Handler, Lifecycle, Phase
 
 log = get_logger("coalesce.gateway")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def json_response(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -145,11 +145,14 @@ async def list_models(request: web.Request) -> web.Response:
 def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) -> web.Application:
     """The application for ``settings``. ``runner_factory`` replaces model loading (tests pass fakes)."""
     metrics = Metrics()
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[observe, errors])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate]
+    )
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[MODELS] = ModelRegistry()
     app[LIFECYCLE] = Lifecycle(metrics)
+    app[KEYS] = KeyRing.load(settings.api_keys_file) if settings.api_keys_file else None
     app.cleanup_ctx.append(_model_context(runner_factory or _default_factory(settings)))
     app.router.add_post("/v1/embeddings", create_embeddings)
     app.router.add_post("/embeddings", create_embeddings)

@@ -12,6 +12,7 @@ from aiohttp import web
 from ..batching.batcher import ItemResult
 from ..errors import InvalidRequest
 from ..schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage, decode, encoder
+from .admission import submit_and_wait
 from .models import ServedModel, check_ids
 from .state import MODELS, SETTINGS, require_ready
 
@@ -134,7 +135,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         )
     texts, arrays = parse_inputs(req.input, request.app[SETTINGS].max_inputs)
     seqs = await encode_inputs(request, served, texts, arrays)
-    results = await await_results(served.batcher.submit(seqs))
+    results = await submit_and_wait(request, served, seqs)
     data = [
         EmbeddingData(index=i, embedding=encode_vector(vector(r.row, req.dimensions), req.encoding_format))
         for i, r in enumerate(results)

@@ -17,6 +17,7 @@ from coalesce.kernels.worker import DeviceThread, ModelWorker
 from ..batching.batcher import Batcher
 from ..batching.cost import CostModel
 from ..batching.policy import Limits
+from ..batching.scheduler import Scheduler, SchedulerConfig
 from ..errors import InvalidRequest, ModelNotFound
 from ..logs import get_logger
 from ..metrics import Metrics
@@ -88,15 +89,15 @@ async def load_models(
         depth = settings.pipeline_depth or (
             2 if str(getattr(runner, "device", "cpu")).startswith("cuda") else 1
         )
+        scheduler = Scheduler(
+            scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
+        )
         batcher = Batcher(
             worker,
             model=runner.info.name,
-            limits=Limits(settings.max_batch_size, max(settings.max_batch_tokens, runner.info.max_tokens)),
+            scheduler=scheduler,
             padded_cost=runner.padded_cost,
             metrics=metrics,
-            cost=cost,
-            max_queued_tokens=settings.max_queued_tokens,
-            pipeline_depth=depth,
         )
         batcher.start()
         registry.add(ServedModel(runner.info, runner, worker, batcher, len(runner.with_special_tokens([]))))
@@ -113,6 +114,24 @@ async def load_models(
             cost_overhead_ms=round(cost.coef.overhead_s * 1e3, 3),
             cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
         )
+
+
+def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
+    """The batching knobs of ``settings`` for one model (whose longest input is ``max_tokens``)."""
+    strategy = settings.batching
+    wait_ms = (
+        settings.max_wait_ms if settings.max_wait_ms is not None else (5.0 if strategy == "fixed" else 0.0)
+    )
+    return SchedulerConfig(
+        strategy=strategy,  # type: ignore[arg-type]
+        limits=Limits(settings.max_batch_size, max(settings.max_batch_tokens, max_tokens)),
+        target_latency_s=settings.target_latency_ms / 1e3,
+        max_wait_s=wait_ms / 1e3,
+        max_queued_tokens=settings.max_queued_tokens,
+        tenant_max_queued_tokens=settings.tenant_max_queued_tokens or settings.max_queued_tokens // 2,
+        priority_aging_s=settings.priority_aging_ms / 1e3,
+        pipeline_depth=depth,
+    )
 
 
 async def _calibrate(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -11,6 +12,8 @@ from ..errors import Unavailable
 from ..metrics import Metrics
 from ..settings import Settings
 from .models import ModelRegistry
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Phase(enum.Enum):

@@ -10,7 +10,9 @@ import pytest
 from coalesce.kernels.fake import FakeRunner
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 from coalesce.service.batching.batcher import Batcher
+from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.policy import Limits
+from coalesce.service.batching.scheduler import Scheduler, SchedulerConfig
 from coalesce.service.errors import InferenceFailed, Overloaded, Unavailable
 from coalesce.service.metrics import Metrics
 
@@ -21,14 +23,14 @@ class Rig:
         self.device = DeviceThread("test")
         self.worker = ModelWorker(runner, self.device)
         self.metrics = Metrics()
-        limits = kw.pop("limits", Limits(64, 16384))
+        config = SchedulerConfig(**{"limits": Limits(64, 16384), **kw})  # type: ignore[arg-type]
+        scheduler = Scheduler(config, CostModel(), runner.padded_cost)
         self.batcher = Batcher(
             self.worker,
             model="fake",
-            limits=limits,
-            padded_cost=runner.padded_cost,  # type: ignore[arg-type]
+            scheduler=scheduler,
+            padded_cost=runner.padded_cost,
             metrics=self.metrics,
-            **kw,  # type: ignore[arg-type]
         )
         self.batcher.start()
 

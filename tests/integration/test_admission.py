@@ -1,0 +1,134 @@
+"""Backpressure, deadlines, disconnects, API keys and tenants on a real server (with a fake runner)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from coalesce.kernels.fake import FakeRunner
+from coalesce.service.settings import build
+
+
+async def post(
+    url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 30
+) -> tuple[int, Any, Any]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+        s.post(url + "/v1/embeddings", json=body, headers=headers or {}) as r,
+    ):
+        return r.status, await r.json(content_type=None), r.headers
+
+
+async def metrics_text(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return await r.text()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_flood_past_the_bound_gets_429_while_admitted_requests_complete(serve: Any) -> None:
+    runner = FakeRunner(batch_seconds=0.05)
+    srv = serve(build(["--max-queued-tokens", "40", "--max-batch-size", "4"], environ={}), lambda s: runner)
+    texts = [f"flood {i} a b c d e" for i in range(40)]  # 8 tokens each: at most 5 queue at once
+    results = await asyncio.gather(*(post(srv.url, {"model": "fake", "input": t}) for t in texts))
+    statuses = [r[0] for r in results]
+    assert set(statuses) <= {200, 429}
+    assert statuses.count(429) > 0 and statuses.count(200) > 0
+    for (status, body, headers), text in zip(results, texts, strict=True):
+        if status == 200:
+            np.testing.assert_allclose(body["data"][0]["embedding"], runner.expected(text), rtol=1e-5)
+        else:
+            assert int(headers["Retry-After"]) >= 1
+            assert body["error"]["type"] == "rate_limit_error"
+            assert body["error"]["code"] == "queue_full"
+    text = await metrics_text(srv.url)
+    assert sample(text, "coalesce_rejected_total", reason="queue_full") == statuses.count(429)
+    assert sample(text, "coalesce_queued_tokens") == 0
+
+
+async def test_expired_deadline_is_answered_without_compute(serve: Any) -> None:
+    runner = FakeRunner(batch_seconds=0.4)
+    srv = serve(build(["--max-batch-size", "1"], environ={}), lambda s: runner)
+    before = len(runner.batches)
+    busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
+    await asyncio.sleep(0.1)
+    status, body, _ = await post(
+        srv.url, {"model": "fake", "input": "in a hurry"}, headers={"X-Request-Timeout": "100"}
+    )
+    assert status in (503, 504)
+    assert body["error"]["code"] in ("deadline_exceeded", "deadline_unmeetable")
+    assert (await busy)[0] == 200
+    await asyncio.sleep(0.1)
+    assert len(runner.batches) - before == 1, "the hurried request must never reach the model"
+    text = await metrics_text(srv.url)
+    assert (
+        sum(sample(text, "coalesce_rejected_total", reason=r) for r in ("expired", "deadline_unmeetable"))
+        >= 1
+    )
+
+
+async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
+    runner = FakeRunner(batch_seconds=0.4)
+    srv = serve(build(["--max-batch-size", "1"], environ={}), lambda s: runner)
+    before = len(runner.batches)
+    busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
+    await asyncio.sleep(0.1)
+    gone = await asyncio.gather(
+        *(post(srv.url, {"model": "fake", "input": f"impatient {i}"}, timeout=0.1) for i in range(3)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(g, asyncio.TimeoutError | aiohttp.ClientError) for g in gone)
+    assert (await busy)[0] == 200
+    status, _, _ = await post(srv.url, {"model": "fake", "input": "after"})
+    assert status == 200
+    assert len(runner.batches) - before == 2, "only the busy request and the last one were computed"
+    text = await metrics_text(srv.url)
+    assert sample(text, "coalesce_rejected_total", reason="cancelled") == 3
+
+
+async def test_api_keys_guard_model_routes_and_name_the_tenant(serve: Any, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# key tenant weight\nsk-alpha-123 alpha 2\nsk-beta-456 beta\n")
+    srv = serve(build(["--api-keys-file", str(keys)], environ={}), lambda s: FakeRunner())
+    body = {"model": "fake", "input": "x"}
+    status, err, _ = await post(srv.url, body)
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+    assert "sk-" not in err["error"]["message"]
+    status, _, _ = await post(srv.url, body, headers={"Authorization": "Bearer sk-wrong"})
+    assert status == 401
+    status, _, _ = await post(srv.url, body, headers={"Authorization": "Bearer sk-alpha-123"})
+    assert status == 200
+    async with aiohttp.ClientSession() as s:
+        for path in ("/health", "/ready", "/metrics"):
+            async with s.get(srv.url + path) as r:
+                assert r.status == 200, path
+        async with s.get(srv.url + "/v1/models") as r:
+            assert r.status == 401
+    assert 'tenant="alpha"' in await metrics_text(srv.url)
+
+
+async def test_malformed_admission_headers_are_400s(serve: Any) -> None:
+    srv = serve(build([], environ={}), lambda s: FakeRunner())
+    body = {"model": "fake", "input": "x"}
+    for headers, param in (
+        ({"X-Priority": "urgent"}, "X-Priority"),
+        ({"X-Request-Timeout": "soon"}, "X-Request-Timeout"),
+        ({"X-Request-Timeout": "-5"}, "X-Request-Timeout"),
+        ({"X-Tenant": "bad tenant!"}, "X-Tenant"),
+    ):
+        status, err, _ = await post(srv.url, body, headers=headers)
+        assert status == 400, headers
+        assert err["error"]["param"] == param
+    status, _, _ = await post(
+        srv.url, body, headers={"X-Priority": "low", "X-Tenant": "team-a", "X-Request-Timeout": "5000"}
+    )
+    assert status == 200
