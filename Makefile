@@ -8,7 +8,7 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.coalesce-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench gpu-check cold-start clean
+.PHONY: install serve test lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -28,6 +28,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service kernels loadtests tests
 	$(VENV)/bin/mypy service kernels loadtests
+
+# Regenerates BENCHMARKS.md's CPU tables (run on an otherwise idle machine): make bench ARGS="--only foundation"
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m coalesce.loadtests.bench $(ARGS)
+
+# The one-call GPU check (CUDA machine): correctness, latency table, capture cost, service throughput.
+gpu-check: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m coalesce.kernels.gpu_check --service-cmd "$(VENV)/bin/coalesce serve --port {port} --log-level warning"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

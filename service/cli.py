@@ -41,8 +41,7 @@ def _serve(argv: list[str]) -> int:
     from .logs import configure
 
     configure(settings.log_level, settings.log_format)
-    run(settings)
-    return 0
+    return run(settings)
 
 
 if __name__ == "__main__":

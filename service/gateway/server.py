@@ -22,7 +22,8 @@ from .state import LIFECYCLE, MODELS, Phase
 log = get_logger("coalesce.server")
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT (then drain; 0) or until a model fails to load (1)."""
     app = create_app(settings)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
@@ -34,9 +35,19 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
     life = app[LIFECYCLE]
+    stopping = asyncio.ensure_future(stop.wait())
+    failing = asyncio.ensure_future(life.failed.wait())
+    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    if failing.done():
+        # Nothing can be served: exit non-zero so the platform restarts us and shows the error,
+        # rather than sit live but never ready.
+        stopping.cancel()
+        log.error("exiting", reason="model_load_failed", error=life.error)
+        await runner.cleanup()
+        return 1
+    failing.cancel()
+
     life.set(Phase.DRAINING)
     log.info("draining", grace_s=settings.shutdown_grace_s, timeout_s=settings.drain_timeout_s)
     # A second signal skips the grace delay.
@@ -49,12 +60,12 @@ async def serve(settings: Settings) -> None:
     log.info("drained", complete=finished)
     await runner.cleanup()
     log.info("stopped")
+    return 0
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        asyncio.run(serve(settings))
-    else:
-        uvloop.run(serve(settings))
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Awaitable, Callable
@@ -30,12 +31,15 @@ class Lifecycle:
         self.phase = Phase.STARTING
         self.started = time.monotonic()
         self.error: str | None = None
+        self.failed = asyncio.Event()  # set when a model fails to load: the process should exit
         self._metrics = metrics
 
     def set(self, phase: Phase, error: str | None = None) -> None:
         self.phase = phase
         self.error = error
         self._metrics.ready.set(1 if phase is Phase.READY else 0)
+        if phase is Phase.FAILED:
+            self.failed.set()
 
     @property
     def serving(self) -> bool:

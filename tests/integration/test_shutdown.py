@@ -1,0 +1,113 @@
+"""A real `coalesce serve` process: idle costs nothing, and SIGTERM under load loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from ..conftest import free_port
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "server exited during start-up"
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError("server never became ready")
+
+
+@pytest.fixture
+def server_process() -> Any:
+    port = free_port()
+    exe = Path(sys.executable).parent / "coalesce"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen(
+        [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), "--shutdown-grace-s", "1",
+         "--drain-timeout-s", "20", "--log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+async def test_idle_server_uses_no_cpu_and_sigterm_under_load_loses_nothing(
+    server_process: Any, st_model: Any
+) -> None:
+    proc, url = server_process
+    await wait_ready(url, proc)
+
+    # Idle is free: no polling loops anywhere.
+    before = cpu_seconds(proc.pid)
+    await asyncio.sleep(2.0)
+    assert cpu_seconds(proc.pid) - before < 0.1
+
+    texts = [[f"request {i} input {j} about graceful shutdown" for j in range(6)] for i in range(40)]
+    async with aiohttp.ClientSession() as s:
+
+        async def embed(inputs: list[str]) -> tuple[int, Any]:
+            async with s.post(url + "/v1/embeddings", json={"model": MODEL, "input": inputs}) as r:
+                return r.status, await r.json()
+
+        tasks = [asyncio.ensure_future(embed(t)) for t in texts]
+        # Every request is in the server's hands before the signal: wait until it counts them in flight.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+            inflight = next(float(line.split()[-1]) for line in metrics.splitlines()
+                            if line.startswith("coalesce_inflight_requests "))
+            if inflight >= 41 or all(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.02)
+        assert not all(t.done() for t in tasks), "the load finished before the signal; make it larger"
+        signaled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+
+        # Readiness drops at once; the listener still serves new connections during the grace delay.
+        ready_status = 200
+        while time.monotonic() - signaled < 1.0:
+            async with aiohttp.ClientSession() as fresh, fresh.get(url + "/ready") as r:
+                ready_status = r.status
+            if ready_status == 503:
+                break
+        assert ready_status == 503
+        async with aiohttp.ClientSession() as fresh, fresh.post(
+            url + "/v1/embeddings", json={"model": MODEL, "input": "arrived during the grace delay"}
+        ) as r:
+            assert r.status == 200
+
+        results = await asyncio.gather(*tasks)
+    for (status, body), inputs in zip(results, texts, strict=True):
+        assert status == 200, body
+        got = np.array([d["embedding"] for d in body["data"]])
+        want = st_model.encode(inputs)
+        cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+        assert cos.min() >= 0.99999
+    assert proc.wait(timeout=25) == 0
+    assert time.monotonic() - signaled < 1 + 20 + 3

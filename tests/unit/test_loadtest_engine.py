@@ -1,0 +1,134 @@
+"""The generator against a stub server with a known service time, on loopback.
+
+Bounds are generous for a loaded two-core machine but each one separates right from wrong: a generator
+with coordinated omission, or one that cannot keep its schedule, fails them by a wide margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from aiohttp import web
+from coalesce.loadtests.results import RunResult
+from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target
+from coalesce.loadtests.stub import StubConfig, serve
+from coalesce.loadtests.workload import Mix
+
+SERVICE_MS = 20.0  # the serial stub completes at most 50 requests/s
+
+
+async def _run(cfg: StubConfig, scenario: Scenario, path: str = "/v1/embeddings") -> RunResult:
+    async with serve(cfg) as base:
+        return await Runner(Target(base + path), scenario).run()
+
+
+async def test_open_loop_latency_includes_queueing() -> None:
+    # 70 requests/s offered to a server that completes 50/s: a queue builds for the whole run, and
+    # latency counted from each scheduled send time grows with it.
+    result = await _run(
+        StubConfig(service_ms=SERVICE_MS, serial=True),
+        Scenario(mode=Mode.OPEN, rate=70, duration=3.0, warmup=0.0),
+    )
+    step = result.steps[0]
+    assert step.error_rate == 0 and step.latency is not None
+    assert step.latency.p50_ms > 5 * SERVICE_MS
+    assert step.latency.max_ms > 400
+    assert step.achieved_rps < 55  # the server's capacity, not the offer
+
+
+async def test_closed_loop_hides_the_queue_that_open_loop_shows() -> None:
+    # One stall of 0.6 s in a fast serial server. A single closed-loop client waits it out once; open
+    # loop keeps sending on schedule, so every request due during the stall reports part of it.
+    cfg = StubConfig(service_ms=5.0, serial=True, pause_on=60, pause_s=0.6)
+    open_ = (await _run(cfg, Scenario(mode=Mode.OPEN, rate=50, duration=3.0, warmup=0.0))).steps[0]
+    closed = (await _run(cfg, Scenario(mode=Mode.CLOSED, concurrency=1, duration=2.0, warmup=0.0))).steps[0]
+    assert open_.latency is not None and closed.latency is not None
+    assert open_.latency.p90_ms > 100  # ~20% of requests were due during the stall
+    assert closed.latency.p90_ms < 50
+    assert closed.latency.max_ms > 500  # the stall itself was seen by the one request that hit it
+
+
+async def test_achieved_rate_is_within_five_percent_of_the_asked_rate() -> None:
+    result = await _run(
+        StubConfig(service_ms=10.0), Scenario(mode=Mode.OPEN, rate=100, duration=3.0, warmup=0.5)
+    )
+    step = result.steps[0]
+    assert step.requests == 300
+    assert step.ok == 300
+    assert math.isclose(step.achieved_rps, 100, rel_tol=0.05), step.achieved_rps
+    assert step.send_lag is not None and step.send_lag.p50_ms < 5
+    assert step.latency is not None and 10 <= step.latency.p50_ms < 60
+
+
+async def test_rejections_and_errors_are_counted_by_status() -> None:
+    result = await _run(
+        StubConfig(reject_every=4), Scenario(mode=Mode.CLOSED, concurrency=4, duration=1.0, warmup=0.0)
+    )
+    step = result.steps[0]
+    assert set(step.by_status) == {"200", "429"}
+    assert math.isclose(step.error_rate, 0.25, abs_tol=0.05)
+    assert step.latency is not None and step.latency.count == step.ok
+
+
+async def test_unreachable_server_counts_connection_errors() -> None:
+    result = await Runner(
+        Target("http://127.0.0.1:9/v1/embeddings", model="m", metrics_url=None),
+        Scenario(mode=Mode.OPEN, rate=20, duration=0.5, warmup=0.0),
+    ).run()
+    step = result.steps[0]
+    assert step.by_status == {"connection": 10} and step.ok == 0 and step.latency is None
+
+
+async def test_server_metrics_are_scraped_for_the_window() -> None:
+    result = await _run(
+        StubConfig(),
+        Scenario(mode=Mode.OPEN, rate=40, duration=1.0, warmup=0.5, mix=Mix.MULTI, cost_per_hour=3.6),
+    )
+    step = result.steps[0]
+    assert result.model == "stub-model"  # discovered from /v1/models
+    assert step.batch is not None
+    # The window holds the 40 measured requests (give or take one straddling the scrape), 16 inputs each.
+    assert 38 <= step.batch.batches <= 42 and step.batch.mean_batch_size == 16
+    assert [b.count for b in step.batch.size_buckets if b.hi == 16] == [step.batch.batches]
+    assert step.mean_inputs_per_request == 16
+    assert step.cost is not None and step.cost.per_1m_embeddings is not None
+    assert step.header_queue_ms is not None
+
+
+async def test_ramp_stops_at_the_first_rate_that_breaks_the_target() -> None:
+    result = await _run(
+        StubConfig(service_ms=SERVICE_MS, serial=True),
+        Scenario(
+            mode=Mode.RAMP, rate=20, ramp_step=20, max_rate=100, step_duration=1.5, warmup=0.3, p99_ms=150
+        ),
+    )
+    rates = [s.offered_rps for s in result.steps]
+    assert rates[0] == 20 and len(rates) < 5  # 60/s exceeds the 50/s the stub can do
+    assert result.max_rps_within_slo is not None and 20 <= result.max_rps_within_slo < 60
+
+
+async def test_timeouts_and_malformed_answers_are_failures() -> None:
+    async def slow(_: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)
+        return web.json_response({"data": [{"index": 0}]})
+
+    async def short(_: web.Request) -> web.Response:
+        return web.json_response({"data": []})  # a 200 without the embedding asked for
+
+    app = web.Application()
+    app.router.add_post("/slow", slow)
+    app.router.add_post("/short", short)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        scenario = Scenario(mode=Mode.OPEN, rate=10, duration=0.5, warmup=0.0, timeout=0.2)
+        for path, outcome in (("/slow", "timeout"), ("/short", "bad_response")):
+            target = Target(f"http://127.0.0.1:{port}{path}", model="m", metrics_url=None)
+            step = (await Runner(target, scenario).run()).steps[0]
+            assert step.by_status == {outcome: 5} and step.error_rate == 1.0 and step.latency is None
+    finally:
+        await runner.cleanup()
