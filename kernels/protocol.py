@@ -42,6 +42,24 @@ class ModelInfo:
     labels: tuple[str, ...] = ()
     normalized: bool = True  # whether embeddings come out L2-normalised
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    # classify/rerank: how the gateway turns the logits a runner returns into scores
+    # ("softmax", "sigmoid" or "none"), as the model's config asks.
+    activation: str = "none"
+
+
+class PairIds(list[int]):
+    """A complete id sequence for a text pair (query, document), remembering where segment B starts.
+
+    A plain list to everything above the runner, so a batch of pairs flows through the batcher as
+    ``Sequence[int]`` unchanged and the token budget charges the whole pair; the runner reads
+    ``b_start`` to set segment ids. A copy made with ``list(...)`` is an ordinary single sequence.
+    """
+
+    __slots__ = ("b_start",)
+
+    def __init__(self, ids: Sequence[int], b_start: int) -> None:
+        super().__init__(ids)
+        self.b_start = b_start
 
 
 @runtime_checkable
@@ -76,4 +94,13 @@ class Runner(Protocol):
 
     def warmup(self) -> None:
         """Run representative batches so the first request pays no first-use costs. Model thread only."""
+        ...
+
+
+@runtime_checkable
+class PairRunner(Runner, Protocol):
+    """A runner that scores text pairs (a cross-encoder, or a classifier given pairs)."""
+
+    def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> PairIds:
+        """Truncate raw ids of A and B (longest first) to fit ``info.max_tokens`` and join them."""
         ...

@@ -67,6 +67,132 @@ class ErrorResponse(msgspec.Struct, frozen=True):
     error: ErrorDetail
 
 
+# -- classification, reranking and the TEI routes (service/gateway/classify.py, rerank.py, tei.py) --
+
+
+class ClassifyRequest(msgspec.Struct, frozen=True):
+    """Infinity ``POST /classify``. With ``labels``, zero-shot classification by an embedding model."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    raw_scores: bool = False
+    labels: list[str] | None = None
+
+
+class Prediction(msgspec.Struct, frozen=True):
+    label: str
+    score: float
+
+
+class ClassifyResponse(msgspec.Struct, frozen=True):
+    data: list[list[Prediction]]  # per input, every label, best first
+    model: str
+    usage: Usage
+    object: str = "classify"
+
+
+class PredictRequest(msgspec.Struct, frozen=True):
+    """TEI ``POST /predict``: a text, a pair ``[a, b]``, or a batch ``[[a], [a, b], ...]``."""
+
+    inputs: str | list[str | list[str]]
+    raw_scores: bool = False
+    truncate: bool | None = None
+    model: str | None = None
+
+
+class RerankDocument(msgspec.Struct, frozen=True):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, frozen=True):
+    """``POST /rerank`` in Cohere's shape (``documents``, ``top_n``, ``return_documents``) or TEI's
+    (``texts``, ``return_text``, ``raw_scores``); exactly one of ``documents`` and ``texts``."""
+
+    query: str
+    documents: list[str | RerankDocument] | None = None
+    texts: list[str] | None = None
+    model: str | None = None
+    top_n: int | None = None
+    return_documents: bool = False
+    return_text: bool = False
+    raw_scores: bool = False
+    truncate: bool | None = None
+
+
+class RerankResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(msgspec.Struct, frozen=True):
+    id: str
+    results: list[RerankResult]  # best first
+    model: str
+    usage: Usage
+    object: str = "rerank"
+
+
+class TeiRank(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class TeiEmbedRequest(msgspec.Struct, frozen=True):
+    """TEI ``POST /embed`` (what LlamaIndex's ``TextEmbeddingsInference`` and Haystack send)."""
+
+    inputs: str | list[str]
+    normalize: bool = True
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    dimensions: int | None = None
+    prompt_name: str | None = None
+    model: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True):
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class SimpleToken(msgspec.Struct, frozen=True):
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+class EmbeddingModelType(msgspec.Struct, frozen=True):
+    pooling: str
+
+
+class ClassifierModelType(msgspec.Struct, frozen=True):
+    id2label: dict[str, str]
+    label2id: dict[str, int]
+
+
+class ServedTask(msgspec.Struct, frozen=True):
+    id: str
+    task: str
+
+
+class TeiInfo(msgspec.Struct, frozen=True):
+    """TEI ``GET /info`` for one model, plus ``models``: every served model and its task."""
+
+    model_id: str
+    model_type: dict[str, EmbeddingModelType | ClassifierModelType]
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int
+    max_client_batch_size: int
+    auto_truncate: bool
+    version: str
+    models: list[ServedTask]
+
+
 _decoders: dict[type, msgspec.json.Decoder] = {}
 encoder = msgspec.json.Encoder()
 

@@ -166,3 +166,10 @@ async def submit_and_wait(
     finally:
         for fut in futures:
             fut.cancel()  # no-op for those already done
+
+
+def timing_headers(results: Sequence[ItemResult]) -> dict[str, str]:
+    """TEI-style timing headers (ms): the longest queue wait and forward among the request's inputs."""
+    queue = max(r.queue_s for r in results)
+    infer = max(r.forward_s for r in results)
+    return {"x-queue-time": f"{queue * 1e3:.3f}", "x-inference-time": f"{infer * 1e3:.3f}"}

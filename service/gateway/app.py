@@ -30,6 +30,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..schemas import ModelCard, ModelList, encoder
 from ..settings import Settings
+from . import classify, rerank, tei
 from .admission import KEYS, KeyRing, authenticate
 from .embeddings import create_embeddings
 from .models import ModelRegistry, RunnerFactory, load_models
@@ -161,6 +162,9 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_route)
+    classify.add_routes(app)  # /classify, /predict
+    rerank.add_routes(app)  # /rerank
+    tei.add_routes(app)  # /embed, /info, /tokenize, /
     return app
 
 
@@ -168,7 +172,7 @@ def _default_factory(settings: Settings) -> RunnerFactory:
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
     options = RunnerOptions(device=settings.device)
-    return lambda spec: load_runner(spec.path, spec.name, options)
+    return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
 
 
 def _model_context(factory: RunnerFactory) -> Callable[[web.Application], AsyncIterator[None]]:

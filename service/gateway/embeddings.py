@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import Sequence
 
 import numpy as np
 from aiohttp import web
+from coalesce.kernels.protocol import Task
 
-from ..batching.batcher import ItemResult
 from ..errors import InvalidRequest
 from ..schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage, decode, encoder
-from .admission import submit_and_wait
+from .admission import submit_and_wait, timing_headers
 from .models import ServedModel, check_ids
 from .state import MODELS, SETTINGS, require_ready
+from .tasks import require_task
 
 
 def parse_inputs(
@@ -89,16 +89,6 @@ async def encode_inputs(
     return [served.runner.with_special_tokens(ids) for ids in raw]
 
 
-async def await_results(futures: list[asyncio.Future[ItemResult]]) -> list[ItemResult]:
-    """Await every input of a request; on failure or cancellation, cancel the rest so none is computed."""
-    try:
-        return list(await asyncio.gather(*futures))
-    except BaseException:
-        for fut in futures:
-            fut.cancel()
-        raise
-
-
 def vector(row: np.ndarray, dimensions: int | None) -> np.ndarray:
     """Truncate to ``dimensions`` and re-normalise (a truncated unit vector is no longer unit)."""
     if dimensions is None or dimensions >= row.shape[0]:
@@ -115,17 +105,12 @@ def encode_vector(v: np.ndarray, fmt: str) -> list[float] | str:
     return out
 
 
-def timing_headers(results: Sequence[ItemResult]) -> dict[str, str]:
-    queue = max(r.queue_s for r in results)
-    infer = max(r.forward_s for r in results)
-    return {"x-queue-time": f"{queue * 1e3:.3f}", "x-inference-time": f"{infer * 1e3:.3f}"}
-
-
 async def create_embeddings(request: web.Request) -> web.Response:
     """``POST /v1/embeddings`` (and ``/embeddings``)."""
     req = decode(await request.read(), EmbeddingRequest)
     require_ready(request)
     served = request.app[MODELS].get(req.model)
+    require_task(request, served, (Task.EMBED,), "/v1/embeddings")
     info = served.info
     if req.dimensions is not None and not 1 <= req.dimensions <= info.dim:
         raise InvalidRequest(

@@ -1,0 +1,231 @@
+"""Classification routes: Infinity's ``POST /classify`` and TEI's ``POST /predict``.
+
+A classifier model's logits become scores with the activation its config asks for (softmax, or
+sigmoid for multi-label and single-output models); ``raw_scores`` returns the logits.
+
+Zero-shot: ``/classify`` with ``labels`` against an *embedding* model scores each input by the cosine
+similarity of its embedding to each label's, turned into a distribution by a softmax at
+``ZERO_SHOT_SCALE`` (``raw_scores`` returns the cosines). Label embeddings are cached per model, so a
+fixed label set costs one embedding per label for the life of the process. This makes classification
+work offline with the embedded default model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+from aiohttp import web
+from coalesce.kernels.protocol import Task
+
+from ..errors import InvalidRequest
+from ..schemas import ClassifyRequest, ClassifyResponse, Prediction, PredictRequest, Usage, decode
+from .admission import submit_and_wait
+from .embeddings import encode_inputs, parse_inputs
+from .models import ServedModel
+from .state import SETTINGS
+from .tasks import activate, encode_pairs, encode_texts, pick_model, ranked, respond
+
+# Cosine similarities of one input to its labels sit close together (say 0.1..0.6); the softmax scale
+# sentence-transformers trains with (MultipleNegativesRankingLoss, 20) spreads them into a usable
+# distribution without making the runner-up vanish.
+ZERO_SHOT_SCALE = 20.0
+LABEL_CACHE_SIZE = 4096
+
+
+class LabelCache:
+    """(model, label) → unit label embedding, least recently used dropped first. Event loop only."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._rows: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+
+    def get(self, model: str, label: str) -> np.ndarray | None:
+        row = self._rows.get((model, label))
+        if row is not None:
+            self._rows.move_to_end((model, label))
+        return row
+
+    def put(self, model: str, label: str, row: np.ndarray) -> None:
+        self._rows[(model, label)] = row
+        self._rows.move_to_end((model, label))
+        while len(self._rows) > self._size:
+            self._rows.popitem(last=False)
+
+
+LABELS = web.AppKey("label_cache", LabelCache)
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(rows, axis=-1, keepdims=True)
+    out: np.ndarray = rows / np.where(norms > 0, norms, 1.0)
+    return out
+
+
+def _check_labels(labels: Sequence[str], max_inputs: int) -> list[str]:
+    if not labels:
+        raise InvalidRequest("'labels' must not be empty.", param="labels", code="empty_input")
+    if len(labels) > max_inputs:
+        raise InvalidRequest(
+            f"'labels' has {len(labels)} items; at most {max_inputs} are allowed.",
+            param="labels",
+            code="too_many_inputs",
+        )
+    for i, label in enumerate(labels):
+        if not label:
+            raise InvalidRequest(f"labels[{i}] is an empty string.", param=f"labels[{i}]", code="empty_input")
+    if len(set(labels)) != len(labels):
+        raise InvalidRequest("'labels' must not repeat a label.", param="labels", code="duplicate_labels")
+    return list(labels)
+
+
+async def classify(request: web.Request) -> web.Response:
+    """``POST /classify`` (and ``/v1/classify``): Infinity's shape, zero-shot when ``labels`` is given."""
+    req = decode(await request.read(), ClassifyRequest)
+    settings = request.app[SETTINGS]
+    accepts = (Task.EMBED,) if req.labels is not None and req.model is None else (Task.CLASSIFY, Task.EMBED)
+    served = pick_model(request, req.model, accepts, "/classify")
+    texts, arrays = parse_inputs(req.input, settings.max_inputs)
+    if served.info.task is Task.EMBED:
+        if req.labels is None:
+            raise InvalidRequest(
+                f"Model '{served.info.name}' is an embedding model: pass 'labels' to classify zero-shot "
+                "against them, or name a classifier model.",
+                param="labels",
+                code="missing_labels",
+            )
+        labels = _check_labels(req.labels, settings.max_inputs)
+        seqs = await encode_inputs(request, served, texts, arrays)
+        return await _zero_shot(request, served, seqs, labels, req.raw_scores)
+    if req.labels is not None:
+        raise InvalidRequest(
+            f"Model '{served.info.name}' is a classifier with its own labels "
+            f"({', '.join(served.info.labels)}); "
+            "'labels' is for zero-shot classification with an embedding model.",
+            param="labels",
+            code="unexpected_labels",
+        )
+    seqs = await encode_inputs(request, served, texts, arrays)
+    results = await submit_and_wait(request, served, seqs)
+    logits = np.stack([r.row for r in results])
+    scores = logits if req.raw_scores else activate(logits, served.info.activation)
+    tokens = sum(len(s) for s in seqs)
+    body = ClassifyResponse(
+        data=[ranked(row, served.info.labels) for row in scores],
+        model=served.info.name,
+        usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+    return respond(body, results, tokens)
+
+
+async def _zero_shot(
+    request: web.Request, served: ServedModel, seqs: list[list[int]], labels: list[str], raw_scores: bool
+) -> web.Response:
+    """Score inputs against label embeddings; labels not cached yet ride in the same submission."""
+    cache = request.app[LABELS]
+    name = served.info.name
+    known = {label: row for label in labels if (row := cache.get(name, label)) is not None}
+    missing = [label for label in labels if label not in known]
+    label_seqs = (
+        await encode_texts(request, served, missing, truncate=True, field="labels") if missing else []
+    )
+    results = await submit_and_wait(request, served, [*seqs, *label_seqs])
+    for label, r in zip(missing, results[len(seqs) :], strict=True):
+        known[label] = _unit(r.row)
+        cache.put(name, label, known[label])
+    label_rows = np.stack([known[label] for label in labels])
+    inputs = _unit(np.stack([r.row for r in results[: len(seqs)]]))
+    cosines = inputs @ label_rows.T
+    scores = cosines if raw_scores else activate(cosines * ZERO_SHOT_SCALE, "softmax")
+    tokens = sum(len(s) for s in seqs) + sum(len(s) for s in label_seqs)
+    body = ClassifyResponse(
+        data=[ranked(row, labels) for row in scores],
+        model=name,
+        usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+    return respond(body, results, tokens)
+
+
+def _predict_items(raw: str | list[str | list[str]]) -> tuple[list[str | tuple[str, str]], bool]:
+    """TEI's ``inputs``: (texts and pairs, whether it was a batch). ``["a", "b"]`` is one pair."""
+    if isinstance(raw, str):
+        return [raw], False
+    if not raw:
+        raise InvalidRequest("'inputs' must not be an empty list.", param="inputs", code="empty_input")
+    strings = [x for x in raw if isinstance(x, str)]
+    if len(strings) == len(raw):
+        if len(strings) > 2:
+            raise InvalidRequest(
+                "A list of strings in 'inputs' is one text [a] or one pair [a, b]; send a batch as "
+                "[[a], [a, b], ...].",
+                param="inputs",
+                code="invalid_type",
+            )
+        return [strings[0] if len(strings) == 1 else (strings[0], strings[1])], False
+    items: list[str | tuple[str, str]] = []
+    for i, x in enumerate(raw):
+        if not isinstance(x, list) or len(x) not in (1, 2):
+            raise InvalidRequest(
+                f"inputs[{i}] must be [text] or [text, text] in a batch.",
+                param=f"inputs[{i}]",
+                code="invalid_type",
+            )
+        items.append(x[0] if len(x) == 1 else (x[0], x[1]))
+    return items, True
+
+
+async def predict(request: web.Request) -> web.Response:
+    """``POST /predict``: TEI's classification shape; texts and pairs may be mixed in one batch."""
+    req = decode(await request.read(), PredictRequest)
+    served = pick_model(request, req.model, (Task.CLASSIFY, Task.RERANK), "/predict")
+    items, batch = _predict_items(req.inputs)
+    if len(items) > request.app[SETTINGS].max_inputs:
+        raise InvalidRequest(
+            f"'inputs' has {len(items)} items; at most {request.app[SETTINGS].max_inputs} are allowed.",
+            param="inputs",
+            code="too_many_inputs",
+        )
+    for i, item in enumerate(items):
+        if not all(item if isinstance(item, tuple) else (item,)):
+            raise InvalidRequest(
+                "Inputs must not be empty strings.", param=f"inputs[{i}]", code="empty_input"
+            )
+    singles = [(i, item) for i, item in enumerate(items) if isinstance(item, str)]
+    pairs = [(i, item) for i, item in enumerate(items) if isinstance(item, tuple)]
+    seqs: list[list[int]] = [[] for _ in items]
+    if singles:
+        encoded = await encode_texts(
+            request,
+            served,
+            [t for _, t in singles],
+            truncate=req.truncate,
+            field="inputs",
+            positions=[i for i, _ in singles],
+        )
+        for (i, _), seq in zip(singles, encoded, strict=True):
+            seqs[i] = seq
+    if pairs:
+        encoded_pairs = await encode_pairs(
+            request,
+            served,
+            [p for _, p in pairs],
+            truncate=req.truncate,
+            field="inputs",
+            positions=[i for i, _ in pairs],
+        )
+        for (i, _), pair_seq in zip(pairs, encoded_pairs, strict=True):
+            seqs[i] = pair_seq
+    results = await submit_and_wait(request, served, seqs)
+    logits = np.stack([r.row for r in results])
+    scores = logits if req.raw_scores else activate(logits, served.info.activation)
+    preds: list[list[Prediction]] = [ranked(row, served.info.labels) for row in scores]
+    return respond(preds if batch else preds[0], results, sum(len(s) for s in seqs))
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the classification routes and the zero-shot label cache on ``app``."""
+    app[LABELS] = LabelCache(LABEL_CACHE_SIZE)
+    app.router.add_post("/classify", classify)
+    app.router.add_post("/v1/classify", classify)
+    app.router.add_post("/predict", predict)

