@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .protocol import ModelInfo, PairIds, Task
-from .st_runner import Prepared, _name_from_path, resolve_device
+from .st_runner import Prepared, model_name_from_path, resolve_device
 from .tokens import TokenizerAdapter, pad_batch
 
 log = logging.getLogger("coalesce.kernels")
@@ -151,7 +151,7 @@ class SequenceClassifierRunner:
         )
         id2label = self.model.config.id2label
         self.info = ModelInfo(
-            name=name or _name_from_path(path),
+            name=name or model_name_from_path(path),
             task=task,
             max_tokens=max_tokens,
             vocab_size=self.tokens.vocab_size,
@@ -226,16 +226,14 @@ class TokenSpan:
 def token_spans(runner: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[TokenSpan]]:
     """Each text's tokens with their character offsets (TEI's ``/tokenize``). CPU work, any thread.
 
-    Every runner here keeps a ``TokenizerAdapter`` as ``tokens``; its backend (a private copy without
-    padding or truncation) is the tokenizer the model's inputs come from, so the spans match them.
+    Every runner here keeps a ``TokenizerAdapter`` as ``tokens``, the tokenizer the model's inputs come
+    from, so the spans match them.
     """
-    backend = getattr(getattr(runner, "tokens", None), "_tok", None)
-    if backend is None:
+    tokens = getattr(runner, "tokens", None)
+    if not isinstance(tokens, TokenizerAdapter):
         raise TypeError(f"{type(runner).__name__} exposes no tokenizer")
     out = []
-    for text, enc in zip(
-        texts, backend.encode_batch(list(texts), add_special_tokens=add_special_tokens), strict=True
-    ):
+    for text, enc in zip(texts, tokens.encodings(texts, add_special_tokens), strict=True):
         spans = []
         for tid, tok, special, (start, stop) in zip(
             enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True

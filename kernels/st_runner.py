@@ -65,7 +65,7 @@ class SentenceTransformerRunner:
         )
         normalized = any(type(m).__name__ == "Normalize" for m in self.model)
         self.info = ModelInfo(
-            name=name or _name_from_path(path),
+            name=name or model_name_from_path(path),
             task=Task.EMBED,
             max_tokens=max_tokens,
             vocab_size=self.tokens.vocab_size,
@@ -114,7 +114,7 @@ class SentenceTransformerRunner:
             self.finish(self.forward(prepared), prepared)
 
 
-def _name_from_path(path: str) -> str:
+def model_name_from_path(path: str) -> str:
     from pathlib import Path
 
     p = Path(path)

@@ -2,19 +2,24 @@
 
 Works on the ``tokenizers`` backend directly (a private copy with padding and truncation switched off):
 the batcher needs each input's true length before batching, and special tokens are added after our own
-truncation so ``--no-truncate`` can name an input that is too long.
+truncation so ``--no-truncate`` can name an input that is too long. The adapter is built either from a
+Hugging Face tokenizer object or, for a cold start without ``transformers``, from a bare
+``tokenizers.Tokenizer`` read from ``tokenizer.json``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 
 class TokenizerAdapter:
-    """Raw ids, special tokens and truncation for one Hugging Face tokenizer."""
+    """Raw ids, special tokens and truncation for one tokenizer (Hugging Face or bare ``tokenizers``)."""
 
     def __init__(self, hf_tokenizer: Any, max_tokens: int) -> None:
         from tokenizers import Tokenizer
@@ -22,13 +27,42 @@ class TokenizerAdapter:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError(f"{type(hf_tokenizer).__name__} has no fast (tokenizers) backend")
-        self._tok = Tokenizer.from_str(backend.to_str())
+        tok = Tokenizer.from_str(backend.to_str())
+        pad = hf_tokenizer.pad_token_id
+        vocab_size = max(len(hf_tokenizer), tok.get_vocab_size(with_added_tokens=True))
+        self._setup(tok, max_tokens, int(pad) if pad is not None else 0, vocab_size)
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Tokenizer, max_tokens: int, *, pad_id: int, vocab_size: int, lowercase: bool = False
+    ) -> TokenizerAdapter:
+        """An adapter over a bare ``tokenizers.Tokenizer``, which it takes over (it switches off the
+        tokenizer's padding and truncation, and may change its normaliser).
+
+        ``lowercase`` is sentence-transformers' ``do_lower_case``: as sentence-transformers does, a
+        ``Lowercase`` normaliser runs first unless the normaliser already holds one, so texts are
+        lowercased exactly as its ``encode`` lowercases them.
+        """
+        if lowercase:
+            from tokenizers.normalizers import Lowercase
+            from tokenizers.normalizers import Sequence as NormalizerSequence
+
+            current = tokenizer.normalizer
+            # A normaliser Sequence iterates at run time; its type stub does not say so.
+            parts = list(cast(Any, current)) if isinstance(current, NormalizerSequence) else [current]
+            if not any(isinstance(n, Lowercase) for n in parts):
+                tokenizer.normalizer = NormalizerSequence([Lowercase(), *(n for n in parts if n is not None)])
+        adapter = cls.__new__(cls)
+        adapter._setup(tokenizer, max_tokens, pad_id, vocab_size)
+        return adapter
+
+    def _setup(self, tok: Tokenizer, max_tokens: int, pad_id: int, vocab_size: int) -> None:
+        self._tok = tok
         self._tok.no_padding()
         self._tok.no_truncation()
         self.max_tokens = max_tokens
-        self.vocab_size = max(len(hf_tokenizer), self._tok.get_vocab_size(with_added_tokens=True))
-        pad = hf_tokenizer.pad_token_id
-        self.pad_id = int(pad) if pad is not None else 0
+        self.vocab_size = vocab_size
+        self.pad_id = pad_id
         self.prefix, self.suffix = self._single_template()
         self.pair_prefix, self.pair_middle, self.pair_suffix = self._pair_template()
 
@@ -55,6 +89,10 @@ class TokenizerAdapter:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Raw ids without special tokens, untruncated."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encodings(self, texts: Sequence[str], add_special_tokens: bool) -> list[Any]:
+        """The backend's full encodings (ids, tokens, offsets, special-token mask), for /tokenize."""
+        return list(self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens))
 
     def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
         """Truncate to fit ``max_tokens`` with the special tokens, then add them."""

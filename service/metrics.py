@@ -104,6 +104,21 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # CUDA graphs (graph runner only): a snapshot of the runner's capture statistics at each scrape.
+        self.graph_capture_seconds = Gauge(
+            "coalesce_graph_capture_seconds", "Time spent capturing CUDA graphs (start-up and lazy).",
+            ["model"], registry=r,
+        )
+        self.graph_bytes = Gauge(
+            "coalesce_graph_memory_bytes", "Device memory held by captured graphs.", ["model"], registry=r
+        )
+        self.graph_cells = Gauge(
+            "coalesce_graph_cells", "Cells of the graph grid, by state.", ["model", "state"], registry=r
+        )
+        self.graph_batches = Gauge(
+            "coalesce_graph_batches", "Batches served so far, by path (graph replay or eager).",
+            ["model", "path"], registry=r,
+        )
         # Lifecycle.
         self.ready = Gauge(
             "coalesce_ready", "1 once models are loaded and warmed, 0 while starting or draining.", registry=r
@@ -114,6 +129,17 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+
+    def record_capture(self, model: str, stats: object) -> None:
+        """Copy a graph runner's ``CaptureStats`` (plain attributes) into the gauges."""
+        get = lambda name: float(getattr(stats, name, 0) or 0)  # noqa: E731
+        self.graph_capture_seconds.labels(model).set(get("seconds"))
+        self.graph_bytes.labels(model).set(get("bytes"))
+        for state, attr in (("planned", "cells_planned"), ("captured", "cells_captured"),
+                            ("over_memory", "cells_over_memory")):
+            self.graph_cells.labels(model, state).set(get(attr))
+        self.graph_batches.labels(model, "graph").set(get("graph_replays"))
+        self.graph_batches.labels(model, "eager").set(get("eager_runs"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

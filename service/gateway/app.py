@@ -134,7 +134,12 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    metrics = request.app[METRICS]
+    for served in request.app[MODELS].models:
+        stats = getattr(served.runner, "capture_stats", None)
+        if stats is not None:
+            metrics.record_capture(served.info.name, stats)
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -171,7 +176,15 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
 def _default_factory(settings: Settings) -> RunnerFactory:
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
-    options = RunnerOptions(device=settings.device)
+    options = RunnerOptions(
+        device=settings.device,
+        dtype=settings.dtype,
+        cuda_graphs=settings.cuda_graphs,
+        graph_batch_sizes=settings.graph_batch_sizes,
+        graph_seq_lens=settings.graph_seq_lens,
+        capture_budget_s=settings.graph_capture_budget_s,
+        capture_budget_bytes=settings.graph_memory_budget_mb << 20,
+    )
     return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
 
 

@@ -29,7 +29,7 @@ class PoisonableRunner:
         return getattr(self.inner, name)
 
     def forward(self, prepared: Any) -> Any:
-        if bool((prepared.features["input_ids"] == POISON).any()):
+        if bool((prepared.ids == POISON).any()):
             raise RuntimeError("injected device fault")
         return self.inner.forward(prepared)
 
@@ -254,6 +254,8 @@ async def test_probes_and_request_id(server: ServerThread) -> None:
                 "coalesce_queue_wait_seconds_bucket",
                 "coalesce_tokens_total",
                 "coalesce_inflight_requests",
+                'coalesce_graph_batches{model="all-MiniLM-L6-v2",path="eager"}',
+                "coalesce_cost_per_token_seconds",
             ):
                 assert name in text, name
 

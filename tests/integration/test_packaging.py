@@ -59,3 +59,19 @@ def test_console_script_lists_subcommands_and_knobs() -> None:
         "--no-truncate",
     ):
         assert flag in serve.stdout
+
+
+def test_default_model_loads_without_transformers() -> None:
+    # The cold-start path: the embedded model is read straight from safetensors and tokenizer.json.
+    code = (
+        "import sys\n"
+        "from coalesce.kernels.loader import RunnerOptions, load_runner\n"
+        "runner = load_runner(None, None, RunnerOptions(device='cpu'))\n"
+        "assert type(runner).__name__ == 'EncoderRunner', type(runner)\n"
+        "assert runner.info.name == 'all-MiniLM-L6-v2' and runner.info.dim == 384\n"
+        "assert 'transformers' not in sys.modules and 'sentence_transformers' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    result = run(code, ROOT / "tests")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"

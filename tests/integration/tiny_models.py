@@ -91,7 +91,7 @@ class GatedRunner:
 
     def forward(self, prepared: Any) -> Any:
         GATE.wait(30)
-        self.batch_sizes.append(int(prepared.rows))
+        self.batch_sizes.append(int(prepared.n if hasattr(prepared, "n") else prepared.rows))  # graph or eager runner
         return self.inner.forward(prepared)
 
 

