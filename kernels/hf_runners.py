@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from .protocol import ModelInfo, PairIds, Task
-from .st_runner import Prepared, model_name_from_path, resolve_device
-from .tokens import TokenizerAdapter, pad_batch
+from .st_runner import Prepared, model_name_from_path, padded_features, resolve_device
+from .tokens import TokenizerAdapter
 
 log = logging.getLogger("coalesce.kernels")
 
@@ -177,20 +177,7 @@ class SequenceClassifierRunner:
         return n * max_len
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> Prepared:
-        torch = self._torch
-        length = max(len(s) for s in batch)
-        ids, mask = pad_batch(batch, length, self.tokens.pad_id)
-        features: dict[str, Any] = {
-            "input_ids": torch.from_numpy(ids),
-            "attention_mask": torch.from_numpy(mask),
-        }
-        if self._segments:
-            segments = np.zeros_like(ids)
-            for row, seq in enumerate(batch):
-                if isinstance(seq, PairIds):
-                    segments[row, seq.b_start : len(seq)] = 1
-            features["token_type_ids"] = torch.from_numpy(segments)
-        return Prepared(features=features, rows=len(batch))
+        return Prepared(features=padded_features(batch, self.tokens.pad_id, self._segments), rows=len(batch))
 
     # -- model thread --------------------------------------------------------------------------------
     def forward(self, prepared: Prepared) -> Any:

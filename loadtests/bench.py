@@ -6,7 +6,10 @@ markers are created when missing, and text outside the markers is kept):
 * ``foundation``: batching against ``--max-batch-size 1`` and against sentence-transformers in-process;
 * ``strategies``: ``--batching none|fixed|adaptive`` at 50/80/100% of capacity, open loop;
 * ``peers``: Coalesce against Infinity on the same model and scenario, when Infinity is installed;
-* ``generator``: the load generator's own ceiling against an instant stub.
+* ``generator``: the load generator's own ceiling against an instant stub;
+* ``coldstart``: process start to first embedding beside a plain sentence-transformers server, and
+  the CPU a ready server uses while idle;
+* ``kernels``: our encoder forward against the Hugging Face forward, eagerly on this CPU.
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -24,7 +27,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("foundation", "strategies", "peers", "generator")
+SECTIONS = ("foundation", "strategies", "peers", "generator", "coldstart", "kernels")
 
 
 def machine() -> str:
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "strategies": bench_sections.strategies,
         "peers": bench_sections.peers,
         "generator": bench_sections.generator,
+        "coldstart": bench_sections.coldstart,
+        "kernels": bench_sections.kernels,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

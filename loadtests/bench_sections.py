@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shlex
 import time
@@ -261,3 +262,47 @@ def generator(args: argparse.Namespace) -> tuple[str, str]:
         + "\n"
     )
     return "Generator ceiling", body
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def coldstart(args: argparse.Namespace) -> tuple[str, str]:
+    """Process start → ready → first embedding, beside a plain sentence-transformers server; idle CPU."""
+    from coalesce.loadtests import coldstart as cs
+
+    result = cs.run(3, None, args.ready_timeout, probes=True)
+    idle_s = 10.0
+    with servers.running(_spec(args, "idle"), args.out / "idle" / "logs", args.ready_timeout) as srv:
+        time.sleep(2.0)  # let the start-up settle
+        before = _cpu_seconds(srv.proc.pid)
+        time.sleep(idle_s)
+        idle_cpu = _cpu_seconds(srv.proc.pid) - before
+    first = result["coalesce"]["median"]["first_embedding_s"]
+    body = (
+        cs.report(result)
+        + "\n\n"
+        + f"Target: first embedding ≤ 3 s after process start: **{_met(first <= 3.0)}** ({first:.2f} s).\n\n"
+        + f"Idle: a ready server used **{idle_cpu:.3f} CPU-seconds in {idle_s:g} s** "
+        f"({idle_cpu / idle_s:.2%} of one core) — no polling loops.\n"
+    )
+    return "Cold start and idle cost", body
+
+
+def kernels(args: argparse.Namespace) -> tuple[str, str]:
+    """Our graph-safe forward against the Hugging Face forward it replaces, eagerly on this CPU."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "coalesce.kernels.gpu_check", "--device", "cpu", "--threads", "2",
+           "--batch-sizes", "1,4,16,64", "--seq-lens", "16,64,128", "--seconds-per-case", "1.0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    body = (
+        "The encoder forward Coalesce runs (`kernels/bert.py`, eager on CPU) against the Hugging Face "
+        "forward sentence-transformers uses, same weights, same inputs, methods alternated round by "
+        f"round. Command: `{' '.join(['python', *cmd[1:]])}`\n\n```\n{out.stdout.strip()}\n```\n"
+    )
+    return "Encoder forward on CPU (ours vs Hugging Face)", body

@@ -91,7 +91,8 @@ class GatedRunner:
 
     def forward(self, prepared: Any) -> Any:
         GATE.wait(30)
-        self.batch_sizes.append(int(prepared.n if hasattr(prepared, "n") else prepared.rows))  # graph or eager runner
+        # The graph runner's batches count rows as ``n``, the eager runners' as ``rows``.
+        self.batch_sizes.append(int(prepared.n if hasattr(prepared, "n") else prepared.rows))
         return self.inner.forward(prepared)
 
 
