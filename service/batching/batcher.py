@@ -113,6 +113,25 @@ class Batcher:
             await self._task
 
     # -- admission -----------------------------------------------------------------------------------
+    def _refuse_if_closing(self) -> None:
+        if self._closing:
+            raise Unavailable(
+                "The server is draining; retry on another replica.", retry_after=1, code="draining"
+            )
+
+    def ensure_room(self) -> None:
+        """Refuse at once, before tokenising, when the queue is already at its bound (a flood)."""
+        self._refuse_if_closing()
+        sched = self.scheduler
+        if sched.queued_tokens >= sched.config.max_queued_tokens:
+            self._metrics.rejected.labels(self.model, "queue_full").inc()
+            raise Overloaded(
+                f"Model '{self.model}': {sched.queued_tokens} tokens are waiting (bound "
+                f"{sched.config.max_queued_tokens}); retry later.",
+                retry_after=sched.drain_s(time.monotonic()),
+                code="queue_full",
+            )
+
     def submit(
         self,
         seqs: Sequence[Sequence[int]],
@@ -126,10 +145,7 @@ class Batcher:
 
         ``deadline`` is on the ``time.monotonic()`` clock.
         """
-        if self._closing:
-            raise Unavailable(
-                "The server is draining; retry on another replica.", retry_after=1, code="draining"
-            )
+        self._refuse_if_closing()
         now = time.monotonic()
         refusal = self.scheduler.admit((len(s) for s in seqs), tenant, deadline, now)
         if refusal is not None:

@@ -71,6 +71,7 @@ async def encode_inputs(
     settings = request.app[SETTINGS]
     info = served.info
     if texts:
+        served.batcher.ensure_room()  # refuse a flood before tokenising it
         raw = await served.worker.tokenize(texts)
     else:
         for i, arr in enumerate(arrays):

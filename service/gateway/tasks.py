@@ -109,6 +109,7 @@ async def encode_texts(
     """Complete id sequences for single texts, truncated (keeping the end when ``left``) or rejected.
 
     ``positions`` are the texts' indices in the request's ``field``, for the error naming one."""
+    served.batcher.ensure_room()  # refuse a flood before tokenising it
     raw = await served.worker.tokenize(texts)
     room = served.info.max_tokens - served.specials
     cut = _truncating(request, truncate)
@@ -142,6 +143,7 @@ async def encode_pairs(
             f"Model '{served.info.name}' cannot score text pairs.", param="model", code="wrong_task"
         )
     distinct = list(dict.fromkeys(s for pair in pairs for s in pair))
+    served.batcher.ensure_room()  # refuse a flood before tokenising it
     ids_of = dict(zip(distinct, await served.worker.tokenize(distinct), strict=True))
     specials = len(runner.pair_with_special_tokens([], []))
     cut = _truncating(request, truncate)

@@ -167,3 +167,20 @@ async def test_batch_size_one_turns_batching_off() -> None:
         assert rig.runner.batches == [1] * 10
     finally:
         await rig.aclose()
+
+
+async def test_a_full_queue_refuses_before_any_tokenising() -> None:
+    rig = Rig(FakeRunner(batch_seconds=0.2), max_queued_tokens=20)
+    try:
+        rig.batcher.ensure_room()  # empty: room
+        first = asyncio.ensure_future(rig.embed("w " * 8))  # 10 tokens: dispatched at once
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(rig.embed("w " * 18))  # 20 tokens: fills the queue
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as info:
+            rig.batcher.ensure_room()
+        assert info.value.code == "queue_full"
+        await asyncio.gather(first, second)
+        rig.batcher.ensure_room()  # drained: room again
+    finally:
+        await rig.aclose()
