@@ -107,12 +107,6 @@ class InferenceFailed(CoalesceError):
     default_code = "inference_failed"
 
 
-def error_body(
-    status: int, message: str, type_: str, param: str | None, code: str | None
-) -> dict[str, object]:
-    """The OpenAI error shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def to_body(err: CoalesceError) -> dict[str, object]:
-    return error_body(err.status, err.message, err.type, err.param, err.code)
+    """The OpenAI error shape."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

@@ -76,11 +76,7 @@ class Batcher:
         self._cancelled = 0  # futures cancelled by their callers since the last sweep
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._tenants_seen: set[str] = set()
-
-    @property
-    def queued_tokens(self) -> int:
-        return self.scheduler.queued_tokens
+        self._tenant_series: set[str] = set()  # tenants with a coalesce_tenant_queued_tokens series
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,7 +158,6 @@ class Batcher:
                 Entry(len(ids), now, tenant, weight, priority, deadline, payload=_Payload(ids, fut))
             )
         self.scheduler.add(entries)
-        self._tenants_seen.add(tenant)
         self._idle.clear()
         self._wake.set()
         return futures
@@ -240,9 +235,14 @@ class Batcher:
         sched = self.scheduler
         self._m_depth.set(sched.queued_items)
         self._m_tokens.set(sched.queued_tokens)
-        per_tenant = sched.tenant_queued_tokens()
-        for tenant in self._tenants_seen:
-            self._metrics.tenant_queued_tokens.labels(self.model, tenant).set(per_tenant.get(tenant, 0))
+        # Only tenants with work waiting are exported: tenant names come from clients.
+        waiting = sched.tenant_queued_tokens()
+        gauge = self._metrics.tenant_queued_tokens
+        for tenant, tokens in waiting.items():
+            gauge.labels(self.model, tenant).set(tokens)
+        for tenant in self._tenant_series - waiting.keys():
+            gauge.remove(self.model, tenant)
+        self._tenant_series = set(waiting)
 
     @staticmethod
     def _answer(entries: Sequence[Entry], err: CoalesceError) -> None:

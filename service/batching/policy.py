@@ -40,20 +40,19 @@ def form_batch(
     limits: Limits,
     padded_cost: PaddedCost,
     predict: Predict,
-    max_size: int | None = None,
     max_seconds: float | None = None,
 ) -> list[int]:
     """Indices into ``lengths`` of the next batch. Always contains ``anchor``.
 
     Among equal lengths, lower indices are preferred (callers list inputs most urgent first).
-    ``max_size`` tightens ``limits.max_batch_size`` for this batch; ``max_seconds`` keeps only batches
+    ``max_seconds`` keeps only batches
     whose predicted time fits it (a latency target asks for that) — if none fits, not even the anchor
     alone, the constraint is dropped: the deadline is lost anyway, and throughput then matters most.
     """
     n = len(lengths)
     if n == 0:
         return []
-    cap = min(limits.max_batch_size, max_size or limits.max_batch_size)
+    cap = limits.max_batch_size
     if cap <= 1 or n == 1:
         return [anchor]
     # Length order; among equal lengths the more urgent input sits to the right, so runs ending there take it.
@@ -83,19 +82,26 @@ def _best_run(
     max_seconds: float | None,
 ) -> tuple[int, int] | None:
     """(size, right end) of the run with the most real tokens per predicted second, or None."""
+
+    def in_budget(k: int, longest: int) -> bool:
+        return padded_cost(k, longest) <= limits.max_batch_tokens
+
+    def in_time(k: int, longest: int) -> bool:
+        return max_seconds is None or predict(padded_cost(k, longest)) <= max_seconds
+
     best: tuple[float, int, int] | None = None  # (real tokens per second, size, right end)
     for r in _right_ends(order, lengths, pos):
         longest = lengths[order[r]]
         k_min = r - pos + 1
-        k_max = min(cap, r + 1, _most_that_fit(longest, limits.max_batch_tokens, padded_cost, cap))
+        k_max = min(cap, r + 1, _largest(cap, longest, in_budget))
+        if max_seconds is not None:
+            k_max = min(k_max, _largest(k_max, longest, in_time))
+            if not in_time(k_min, longest):
+                break  # runs ending further right are longer still
         if k_min > k_max:
-            break  # runs ending further right are longer still
+            break
         for k in _sizes_between(k_min, k_max):
             seconds = predict(padded_cost(k, longest))
-            if max_seconds is not None and seconds > max_seconds and k > 1:
-                break  # larger k only take longer
-            if max_seconds is not None and seconds > max_seconds:
-                continue
             real = prefix[r + 1] - prefix[r + 1 - k]
             rate = real / max(seconds, 1e-12)
             if best is None or (rate, k) > best[:2]:
@@ -119,12 +125,12 @@ def _right_ends(order: Sequence[int], lengths: Sequence[int], pos: int) -> list[
     return ends
 
 
-def _most_that_fit(longest: int, budget: int, padded_cost: PaddedCost, cap: int) -> int:
-    """Largest k ≤ cap with padded_cost(k, longest) ≤ budget (at least 1: one input always runs)."""
+def _largest(cap: int, longest: int, fits: Callable[[int, int], bool]) -> int:
+    """Largest k ≤ cap with ``fits(k, longest)``, ``fits`` monotone in k (at least 1: one input runs)."""
     lo, hi = 1, cap
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if padded_cost(mid, longest) <= budget:
+        if fits(mid, longest):
             lo = mid
         else:
             hi = mid - 1

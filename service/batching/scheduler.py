@@ -32,6 +32,7 @@ from .policy import Limits, PaddedCost, form_batch, window_size
 Strategy = Literal["none", "fixed", "adaptive"]
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DEFAULT_TENANT = "default"
+IDLE_TENANTS_KEPT = 1024  # tenants remembered before idle ones are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,8 @@ class Scheduler:
                 # no credit to burst with later.
                 floor = min((x.vtime for x in self._tenants.values() if x.queued_tokens), default=0.0)
                 if t is None:
+                    if len(self._tenants) >= IDLE_TENANTS_KEPT:
+                        self._forget_idle_tenants()
                     t = self._tenants[e.tenant] = _Tenant()
                 t.vtime = max(t.vtime, floor)
             t.weight = e.weight
@@ -239,7 +242,15 @@ class Scheduler:
         return left
 
     def tenant_queued_tokens(self) -> dict[str, int]:
-        return {name: t.queued_tokens for name, t in self._tenants.items()}
+        """Tokens waiting per tenant that has any."""
+        return {name: t.queued_tokens for name, t in self._tenants.items() if t.queued_tokens}
+
+    def _forget_idle_tenants(self) -> None:
+        # Tenant names come from clients (X-Tenant): keep memory bounded. An idle tenant that returns
+        # starts level with the active ones, which is what it would get anyway unless it had been
+        # served ahead of them just before going idle.
+        for name in [name for name, t in self._tenants.items() if t.items == 0]:
+            del self._tenants[name]
 
     # -- internals -----------------------------------------------------------------------------------
     def _waiting(self) -> Iterable[Entry]:

@@ -91,17 +91,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         # A broken invariant: loud in the log, a plain 500 to the client.
         log.exception("unhandled_error", route=request.path)
-        return json_response(
-            {
-                "error": {
-                    "message": "Internal server error.",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "internal_error",
-                }
-            },
-            status=500,
-        )
+        return error_response(CoalesceError("Internal server error.", code="internal_error"))
 
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:

@@ -25,7 +25,7 @@ from .admission import submit_and_wait
 from .embeddings import encode_inputs, parse_inputs
 from .models import ServedModel
 from .state import SETTINGS
-from .tasks import activate, encode_pairs, encode_texts, pick_model, ranked, respond
+from .tasks import activate, checked_items, encode_pairs, encode_texts, pick_model, ranked, respond
 
 # Cosine similarities of one input to its labels sit close together (say 0.1..0.6); the softmax scale
 # sentence-transformers trains with (MultipleNegativesRankingLoss, 20) spreads them into a usable
@@ -64,20 +64,10 @@ def _unit(rows: np.ndarray) -> np.ndarray:
 
 
 def _check_labels(labels: Sequence[str], max_inputs: int) -> list[str]:
-    if not labels:
-        raise InvalidRequest("'labels' must not be empty.", param="labels", code="empty_input")
-    if len(labels) > max_inputs:
-        raise InvalidRequest(
-            f"'labels' has {len(labels)} items; at most {max_inputs} are allowed.",
-            param="labels",
-            code="too_many_inputs",
-        )
-    for i, label in enumerate(labels):
-        if not label:
-            raise InvalidRequest(f"labels[{i}] is an empty string.", param=f"labels[{i}]", code="empty_input")
-    if len(set(labels)) != len(labels):
+    checked = checked_items(labels, "labels", max_inputs)
+    if len(set(checked)) != len(checked):
         raise InvalidRequest("'labels' must not repeat a label.", param="labels", code="duplicate_labels")
-    return list(labels)
+    return checked
 
 
 async def classify(request: web.Request) -> web.Response:

@@ -14,49 +14,20 @@ from ..schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage,
 from .admission import submit_and_wait, timing_headers
 from .models import ServedModel, check_ids
 from .state import MODELS, SETTINGS, require_ready
-from .tasks import require_task
+from .tasks import checked_items, require_task
 
 
 def parse_inputs(
     raw: str | list[str | int | list[int]], max_inputs: int
 ) -> tuple[list[str], list[list[int]]]:
     """Split ``input`` into texts or token arrays (never both), rejecting what OpenAI rejects."""
-    if isinstance(raw, str):
-        items: list[str | int | list[int]] = [raw]
-    else:
-        items = raw
-    if not items:
-        raise InvalidRequest("'input' must not be an empty list.", param="input", code="empty_input")
-    if all(isinstance(x, int) for x in items):  # one token array
+    items = [raw] if isinstance(raw, str) else raw
+    if items and all(isinstance(x, int) for x in items):  # one token array
         return [], [list(items)]  # type: ignore[arg-type]
     if all(isinstance(x, str) for x in items):
-        texts: list[str] = items  # type: ignore[assignment]
-        if len(texts) > max_inputs:
-            raise InvalidRequest(
-                f"'input' has {len(texts)} items; at most {max_inputs} are allowed per request.",
-                param="input",
-                code="too_many_inputs",
-            )
-        for i, text in enumerate(texts):
-            if not text:
-                raise InvalidRequest(
-                    f"Input {i} is an empty string.", param=f"input[{i}]", code="empty_input"
-                )
-        return texts, []
+        return checked_items(items, "input", max_inputs), []  # type: ignore[arg-type]
     if all(isinstance(x, list) for x in items):
-        arrays: list[list[int]] = items  # type: ignore[assignment]
-        if len(arrays) > max_inputs:
-            raise InvalidRequest(
-                f"'input' has {len(arrays)} token arrays; at most {max_inputs} are allowed per request.",
-                param="input",
-                code="too_many_inputs",
-            )
-        for i, arr in enumerate(arrays):
-            if not arr:
-                raise InvalidRequest(
-                    f"Input {i} is an empty token array.", param=f"input[{i}]", code="empty_input"
-                )
-        return [], arrays
+        return [], checked_items(items, "input", max_inputs)  # type: ignore[arg-type]
     raise InvalidRequest(
         "'input' must be a string, a list of strings, a token array, or a list of token arrays — not a mix.",
         param="input",

@@ -23,7 +23,7 @@ from ..errors import InvalidRequest
 from ..schemas import RerankDocument, RerankRequest, RerankResponse, RerankResult, TeiRank, Usage, decode
 from .admission import submit_and_wait
 from .state import SETTINGS
-from .tasks import activate, encode_pairs, pick_model, respond, texts_of
+from .tasks import activate, checked_items, encode_pairs, pick_model, respond
 
 
 async def rerank(request: web.Request) -> web.Response:
@@ -42,7 +42,7 @@ async def rerank(request: web.Request) -> web.Response:
         if req.texts is not None
         else [d if isinstance(d, str) else d.text for d in req.documents or []]
     )
-    docs = texts_of(raw, field, request.app[SETTINGS].max_inputs)
+    docs = checked_items(raw, field, request.app[SETTINGS].max_inputs)
     if not req.query:
         raise InvalidRequest("'query' must not be empty.", param="query", code="empty_input")
     if req.top_n is not None and req.top_n < 1:

@@ -10,6 +10,7 @@ served model of the right task (``--model`` order).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 from aiohttp import web
@@ -21,6 +22,8 @@ from ..schemas import Prediction, encoder
 from .admission import timing_headers
 from .models import ServedModel
 from .state import MODELS, SETTINGS, require_ready
+
+T = TypeVar("T", str, list[int])
 
 
 def catalog(request: web.Request) -> str:
@@ -62,23 +65,22 @@ def require_task(request: web.Request, served: ServedModel, accepts: Sequence[Ta
         )
 
 
-def texts_of(raw: str | Sequence[str], field: str, max_inputs: int) -> list[str]:
-    """A string or a non-empty list of non-empty strings, at most ``max_inputs`` of them."""
-    texts = [raw] if isinstance(raw, str) else list(raw)
-    if not texts:
+def checked_items(raw: T | Sequence[T], field: str, max_inputs: int) -> list[T]:
+    """A single item or a non-empty list of non-empty items (texts or token arrays), at most
+    ``max_inputs`` of them; a precise 400 naming ``field`` (or the offending element) otherwise."""
+    items: list[T] = [raw] if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
+    if not items:
         raise InvalidRequest(f"'{field}' must not be an empty list.", param=field, code="empty_input")
-    if len(texts) > max_inputs:
+    if len(items) > max_inputs:
         raise InvalidRequest(
-            f"'{field}' has {len(texts)} items; at most {max_inputs} are allowed per request.",
+            f"'{field}' has {len(items)} items; at most {max_inputs} are allowed per request.",
             param=field,
             code="too_many_inputs",
         )
-    for i, text in enumerate(texts):
-        if not text:
-            raise InvalidRequest(
-                f"{field}[{i}] is an empty string.", param=f"{field}[{i}]", code="empty_input"
-            )
-    return texts
+    for i, item in enumerate(items):
+        if not item:
+            raise InvalidRequest(f"{field}[{i}] is empty.", param=f"{field}[{i}]", code="empty_input")
+    return items
 
 
 def _truncating(request: web.Request, truncate: bool | None) -> bool:

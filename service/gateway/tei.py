@@ -33,7 +33,7 @@ from .admission import submit_and_wait
 from .embeddings import vector
 from .models import ServedModel
 from .state import MODELS, SETTINGS
-from .tasks import encode_texts, pick_model, respond, texts_of
+from .tasks import checked_items, encode_texts, pick_model, respond
 
 _ALL_TASKS = tuple(Task)
 
@@ -72,7 +72,7 @@ async def embed(request: web.Request) -> web.Response:
             param="dimensions",
             code="invalid_dimensions",
         )
-    texts = texts_of(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
+    texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
     seqs = await encode_texts(
         request, served, texts, truncate=req.truncate, field="inputs", left=direction == "left"
     )
@@ -125,7 +125,7 @@ async def tokenize(request: web.Request) -> web.Response:
     """``POST /tokenize``: each input's tokens as ``{id, text, special, start, stop}`` (character offsets)."""
     req = decode(await request.read(), TokenizeRequest)
     served = pick_model(request, req.model, _ALL_TASKS, "/tokenize")
-    texts = texts_of(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
+    texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
     spans = await asyncio.get_running_loop().run_in_executor(
         None, token_spans, served.runner, texts, req.add_special_tokens
     )

@@ -98,7 +98,9 @@ async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
 async def test_api_keys_guard_model_routes_and_name_the_tenant(serve: Any, tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("# key tenant weight\nsk-alpha-123 alpha 2\nsk-beta-456 beta\n")
-    srv = serve(build(["--api-keys-file", str(keys)], environ={}), lambda s: FakeRunner())
+    # A named tenant may queue 3 tokens: "x" (3 with special tokens) fits, "x y" does not.
+    srv = serve(build(["--api-keys-file", str(keys), "--tenant-max-queued-tokens", "3"], environ={}),
+                lambda s: FakeRunner())
     body = {"model": "fake", "input": "x"}
     status, err, _ = await post(srv.url, body)
     assert status == 401 and err["error"]["type"] == "authentication_error"
@@ -113,7 +115,11 @@ async def test_api_keys_guard_model_routes_and_name_the_tenant(serve: Any, tmp_p
                 assert r.status == 200, path
         async with s.get(srv.url + "/v1/models") as r:
             assert r.status == 401
-    assert 'tenant="alpha"' in await metrics_text(srv.url)
+    # The key, not a header, names the tenant: its cap applies even when X-Tenant claims another.
+    status, err, _ = await post(srv.url, {"model": "fake", "input": "x y"},
+                                headers={"Authorization": "Bearer sk-alpha-123", "X-Tenant": "default"})
+    assert status == 429 and err["error"]["code"] == "tenant_queue_full"
+    assert "alpha" in err["error"]["message"]
 
 
 async def test_malformed_admission_headers_are_400s(serve: Any) -> None:

@@ -111,7 +111,7 @@ async def test_cancelled_items_are_never_computed(rig: Rig) -> None:
     await rig.embed("next")
     assert sum(rig.runner.batches) == 2, "the cancelled inputs must not reach the runner"
     assert rig.sample("coalesce_rejected_total", reason="cancelled") == 2
-    assert rig.batcher.queued_tokens == 0
+    assert rig.batcher.scheduler.queued_tokens == 0
 
 
 async def test_queue_bound_answers_overloaded_with_retry_after() -> None:
@@ -126,7 +126,7 @@ async def test_queue_bound_answers_overloaded_with_retry_after() -> None:
         assert int(info.value.headers()["Retry-After"]) >= 1
         for fut in admitted:
             assert len(await fut) == 1  # everything admitted is answered
-        assert rig.batcher.queued_tokens == 0
+        assert rig.batcher.scheduler.queued_tokens == 0
     finally:
         await rig.aclose()
 

@@ -82,8 +82,11 @@ def test_bucketed_cost_prefers_filling_the_cell() -> None:
     assert len(picked) == 32
 
 
-def test_max_size_override_tightens_the_batch() -> None:
-    assert len(form_batch([10] * 50, 0, Limits(64, 16384), eager, CPU, max_size=5)) == 5
+def test_time_limit_tightens_the_batch_and_yields_when_it_cannot_be_met() -> None:
+    # CPU: 8 ms + 4 ms per 10-token input. 30 ms fits 5 inputs; a limit even one input misses is
+    # dropped (the target is lost anyway), and the batch goes back to the most efficient size: all 50.
+    assert len(form_batch([10] * 50, 0, Limits(64, 16384), eager, CPU, max_seconds=0.030)) == 5
+    assert len(form_batch([10] * 50, 0, Limits(64, 16384), eager, CPU, max_seconds=0.001)) == 50
 
 
 def test_batches_never_exceed_limits_on_random_inputs() -> None:

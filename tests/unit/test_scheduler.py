@@ -199,3 +199,17 @@ def test_removed_entries_release_their_tokens() -> None:
     decision, _, _ = s.next(0.0)
     assert isinstance(decision, Dispatch)
     assert {e.payload for e in decision.batch} == {0, 2, 4}
+
+
+def test_idle_tenants_are_forgotten_so_client_chosen_names_cannot_grow_memory() -> None:
+    from coalesce.service.batching.scheduler import IDLE_TENANTS_KEPT
+
+    s = Scheduler(adaptive(), CostModel(), lambda n, m: n * m)
+    for i in range(3 * IDLE_TENANTS_KEPT):
+        s.add([Entry(4, 0.0, tenant=f"t{i}")])
+        decision, _, _ = s.next(0.0)
+        assert isinstance(decision, Dispatch)
+        s.done(decision.batch, 4, 0.001, 0.0)
+    assert len(s._tenants) <= IDLE_TENANTS_KEPT + 1
+    s.add([Entry(4, 0.0, tenant="waiting")])
+    assert s.tenant_queued_tokens() == {"waiting": 4}
