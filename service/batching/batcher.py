@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
-from .policy import PaddedCost, padding_ratio
+from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
 
 log = get_logger("coalesce.batcher")
@@ -59,12 +59,11 @@ class Batcher:
     """Forms and dispatches batches for one model."""
 
     def __init__(
-        self, engine: Engine, *, model: str, scheduler: Scheduler, padded_cost: PaddedCost, metrics: Metrics
+        self, engine: Engine, *, model: str, scheduler: Scheduler, metrics: Metrics
     ) -> None:
         self._engine = engine
         self.model = model
         self.scheduler = scheduler
-        self._padded_cost = padded_cost
         self._metrics = metrics
         self._m_depth = metrics.queue_depth.labels(model)
         self._m_tokens = metrics.queued_tokens.labels(model)
@@ -254,7 +253,7 @@ class Batcher:
         m, model = self._metrics, self.model
         start = time.monotonic()
         lengths = [e.n_tokens for e in batch]
-        padded = self._padded_cost(len(batch), max(lengths))
+        padded = self.scheduler.padded_cost(len(batch), max(lengths))
         seconds: float | None = None
         try:
             out = await self._engine.run([e.payload.ids for e in batch])

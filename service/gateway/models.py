@@ -96,7 +96,6 @@ async def load_models(
             worker,
             model=runner.info.name,
             scheduler=scheduler,
-            padded_cost=runner.padded_cost,
             metrics=metrics,
         )
         batcher.start()

@@ -25,13 +25,7 @@ class Rig:
         self.metrics = Metrics()
         config = SchedulerConfig(**{"limits": Limits(64, 16384), **kw})  # type: ignore[arg-type]
         scheduler = Scheduler(config, CostModel(), runner.padded_cost)
-        self.batcher = Batcher(
-            self.worker,
-            model="fake",
-            scheduler=scheduler,
-            padded_cost=runner.padded_cost,
-            metrics=self.metrics,
-        )
+        self.batcher = Batcher(self.worker, model="fake", scheduler=scheduler, metrics=self.metrics)
         self.batcher.start()
 
     def seqs(self, *texts: str) -> list[list[int]]:
