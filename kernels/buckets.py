@@ -18,6 +18,19 @@ from itertools import chain
 
 import numpy as np
 
+
+@dataclass(frozen=True, slots=True)
+class GraphOptions:
+    """How CUDA graphs are used. Ignored on CPU."""
+
+    enabled: bool = True
+    batch_sizes: tuple[int, ...] | None = None  # None = DEFAULT_BATCH_SIZES
+    seq_lens: tuple[int, ...] | None = None  # None = DEFAULT_SEQ_LENS, capped at max tokens
+    budget_s: float = 20.0  # start-up capture time; cells not reached are left to lazy capture
+    budget_bytes: int = 2 << 30  # device memory the graphs may hold
+    lazy: bool = True  # capture a cell on its first batch when start-up did not reach it
+
+
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_SEQ_LENS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .bert import GraphSafeBert, PoolingMode, unsupported_reason
-from .buckets import BucketGrid, Cell, pad_to_shape
+from .buckets import BucketGrid, Cell, GraphOptions, pad_to_shape
 from .graphs import CaptureStats, CudaGraphs
 from .protocol import ModelInfo, Task
 from .st_runner import model_name_from_path, resolve_device
@@ -56,18 +56,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         log.info("dtype %s is for CUDA; running float32 on %s", dtype, device)
         return torch.float32
     return chosen
-
-
-@dataclass(frozen=True, slots=True)
-class GraphOptions:
-    """How CUDA graphs are used. Ignored on CPU."""
-
-    enabled: bool = True
-    batch_sizes: tuple[int, ...] | None = None  # None = buckets.DEFAULT_BATCH_SIZES
-    seq_lens: tuple[int, ...] | None = None  # None = buckets.DEFAULT_SEQ_LENS, capped at max tokens
-    budget_s: float = 20.0  # start-up capture time; cells not reached are left to lazy capture
-    budget_bytes: int = 2 << 30  # device memory the graphs may hold
-    lazy: bool = True  # capture a cell on its first batch when start-up did not reach it
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,12 +186,7 @@ def build_encoder_runner(
     name: str | None,
     device: str = "auto",
     dtype: str = "auto",
-    cuda_graphs: bool = True,
-    graph_batch_sizes: tuple[int, ...] | None = None,
-    graph_seq_lens: tuple[int, ...] | None = None,
-    capture_budget_s: float = 20.0,
-    capture_budget_bytes: int = 2 << 30,
-    lazy_capture: bool = True,
+    graphs: GraphOptions = GraphOptions(),  # noqa: B008 (frozen, so one shared default is safe)
     truncate_dim: int | None = None,
     aliases: Sequence[str] = (),
 ) -> EncoderRunner | None:
@@ -223,16 +206,8 @@ def build_encoder_runner(
     ).to(device=dev, dtype=resolve_dtype(dtype, dev))
     max_tokens = min(int(st.max_seq_length or st.tokenizer.model_max_length), model.max_positions)
     tokens = TokenizerAdapter(st.tokenizer, max_tokens)
-    options = GraphOptions(
-        enabled=cuda_graphs,
-        batch_sizes=graph_batch_sizes,
-        seq_lens=graph_seq_lens,
-        budget_s=capture_budget_s,
-        budget_bytes=capture_budget_bytes,
-        lazy=lazy_capture,
-    )
     return make_encoder_runner(
-        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=options
+        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs
     )
 
 

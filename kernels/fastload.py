@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from .bert import GraphSafeBert, PoolingMode, config_unsupported_reason
-from .encoder_runner import EncoderRunner, GraphOptions, make_encoder_runner, resolve_dtype
+from .buckets import GraphOptions
+from .encoder_runner import EncoderRunner, make_encoder_runner, resolve_dtype
 from .st_runner import resolve_device
 from .tokens import TokenizerAdapter
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from .bert import GraphSafeBert
-from .buckets import BucketGrid, parse_sizes
-from .encoder_runner import EncoderEngine, GraphOptions, resolve_dtype
+from .buckets import BucketGrid, GraphOptions, parse_sizes
+from .encoder_runner import EncoderEngine, resolve_dtype
 from .service_load import run_service_load
 
 # all-MiniLM-L6-v2's config.json, for machines without the packaged model.
@@ -249,7 +249,8 @@ def _check_against_encode(device: torch.device) -> tuple[str, float, bool]:
 
     path = default_model_path()
     texts = ["hello", "graphs replay kernels without the host", "padding " * 40, "word " * 400]
-    runner = build_encoder_runner(path, name=None, device=str(device), dtype="float32", cuda_graphs=False)
+    runner = build_encoder_runner(path, name=None, device=str(device), dtype="float32",
+                                  graphs=GraphOptions(enabled=False))
     assert runner is not None
     prepared = runner.prepare([runner.with_special_tokens(ids) for ids in runner.tokenize(texts)])
     got = torch.from_numpy(runner.finish(runner.forward(prepared), prepared))

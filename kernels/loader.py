@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .buckets import GraphOptions
 from .hf_runners import SequenceClassifierRunner, detect_task
 from .protocol import Runner, Task
 from .st_runner import SentenceTransformerRunner, default_model_path
@@ -32,11 +33,7 @@ class RunnerOptions:
 
     device: str = "auto"
     dtype: str = "auto"
-    cuda_graphs: bool = True
-    graph_batch_sizes: tuple[int, ...] | None = None
-    graph_seq_lens: tuple[int, ...] | None = None
-    capture_budget_s: float = 20.0
-    capture_budget_bytes: int = 2 << 30
+    graphs: GraphOptions = GraphOptions()  # noqa: RUF009 (frozen, so one shared default is safe)
 
 
 def load_runner(
@@ -56,18 +53,11 @@ def load_runner(
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     chosen = Task(task) if task else detect_task(path)
     if chosen is Task.EMBED:
-        from .encoder_runner import GraphOptions
         from .fastload import build_fast_encoder_runner
 
-        graphs = GraphOptions(
-            enabled=options.cuda_graphs,
-            batch_sizes=options.graph_batch_sizes,
-            seq_lens=options.graph_seq_lens,
-            budget_s=options.capture_budget_s,
-            budget_bytes=options.capture_budget_bytes,
-        )
         fast = build_fast_encoder_runner(
-            path, name=name, device=options.device, dtype=options.dtype, graphs=graphs, aliases=aliases
+            path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs,
+            aliases=aliases,
         )
         if fast is not None:
             return fast
@@ -79,10 +69,7 @@ def load_runner(
     from .encoder_runner import build_encoder_runner
 
     graph_runner = build_encoder_runner(
-        path, name=name, device=options.device, dtype=options.dtype, cuda_graphs=options.cuda_graphs,
-        graph_batch_sizes=options.graph_batch_sizes, graph_seq_lens=options.graph_seq_lens,
-        capture_budget_s=options.capture_budget_s, capture_budget_bytes=options.capture_budget_bytes,
-        aliases=aliases,
+        path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs, aliases=aliases
     )
     if graph_runner is not None:
         return graph_runner

@@ -164,17 +164,17 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
 
 
 def _default_factory(settings: Settings) -> RunnerFactory:
+    from coalesce.kernels.buckets import GraphOptions
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
-    options = RunnerOptions(
-        device=settings.device,
-        dtype=settings.dtype,
-        cuda_graphs=settings.cuda_graphs,
-        graph_batch_sizes=settings.graph_batch_sizes,
-        graph_seq_lens=settings.graph_seq_lens,
-        capture_budget_s=settings.graph_capture_budget_s,
-        capture_budget_bytes=settings.graph_memory_budget_mb << 20,
+    graphs = GraphOptions(
+        enabled=settings.cuda_graphs,
+        batch_sizes=settings.graph_batch_sizes,
+        seq_lens=settings.graph_seq_lens,
+        budget_s=settings.graph_capture_budget_s,
+        budget_bytes=settings.graph_memory_budget_mb << 20,
     )
+    options = RunnerOptions(device=settings.device, dtype=settings.dtype, graphs=graphs)
     return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
 
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 from coalesce.kernels.bert import GraphSafeBert
-from coalesce.kernels.encoder_runner import EncoderEngine, GraphOptions
+from coalesce.kernels.buckets import GraphOptions
+from coalesce.kernels.encoder_runner import EncoderEngine
 from coalesce.kernels.gpu_check import hf_embed, load_config, random_bert
 
 pytestmark = [
@@ -153,7 +154,7 @@ def test_the_packaged_model_on_graphs_matches_encode() -> None:
     from sentence_transformers import SentenceTransformer
 
     runner = build_encoder_runner(default_model_path(), name=None, device="cuda", dtype="float32",
-                                  graph_batch_sizes=(1, 8), graph_seq_lens=(32, 128))
+                                  graphs=GraphOptions(batch_sizes=(1, 8), seq_lens=(32, 128)))
     assert runner is not None
     runner.warmup()
     texts = ["hello", "graphs replay kernels", "padding " * 60, "word " * 400, "a b c"]
