@@ -273,7 +273,7 @@ class Batcher:
                     e.payload.future.set_result(ItemResult(row, start - e.arrival, out.forward_s))
             self._record(batch, lengths, padded, start, out)
         finally:
-            self.scheduler.done(batch, padded, seconds, time.monotonic())
+            self.scheduler.done(padded, seconds, time.monotonic())
             coef = self.scheduler.cost.coef
             m.cost_overhead.labels(model).set(coef.overhead_s)
             m.cost_per_token.labels(model).set(coef.per_token_s)

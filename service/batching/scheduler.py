@@ -221,7 +221,7 @@ class Scheduler:
         self.busy_until = start + predicted
         return Dispatch(batch, predicted), expired, shed
 
-    def done(self, batch: list[Entry], padded_tokens: int, seconds: float | None, now: float) -> None:
+    def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
         """A dispatched batch finished (``seconds`` None if it failed)."""
         self.inflight -= 1
         if seconds is not None:

@@ -108,7 +108,7 @@ def simulate(
             res.max_queued_tokens = max(res.max_queued_tokens, sched.queued_tokens)
         elif kind == "done":
             batch, padded, seconds = data  # type: ignore[misc]
-            sched.done(batch, padded, seconds, now)
+            sched.done(padded, seconds, now)
             for e in batch:
                 if now >= measure_from:  # throughput: what completes inside the measured window
                     res.completed += 1

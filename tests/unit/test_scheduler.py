@@ -209,7 +209,7 @@ def test_idle_tenants_are_forgotten_so_client_chosen_names_cannot_grow_memory() 
         s.add([Entry(4, 0.0, tenant=f"t{i}")])
         decision, _, _ = s.next(0.0)
         assert isinstance(decision, Dispatch)
-        s.done(decision.batch, 4, 0.001, 0.0)
+        s.done(4, 0.001, 0.0)
     assert len(s._tenants) <= IDLE_TENANTS_KEPT + 1
     s.add([Entry(4, 0.0, tenant="waiting")])
     assert s.tenant_queued_tokens() == {"waiting": 4}
