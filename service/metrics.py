@@ -136,7 +136,7 @@ class Metrics:
         self.graph_capture_seconds.labels(model).set(get("seconds"))
         self.graph_bytes.labels(model).set(get("bytes"))
         for state, attr in (("planned", "cells_planned"), ("captured", "cells_captured"),
-                            ("over_memory", "cells_over_memory")):
+                            ("over_memory", "cells_over_memory"), ("failed", "capture_failures")):
             self.graph_cells.labels(model, state).set(get(attr))
         self.graph_batches.labels(model, "graph").set(get("graph_replays"))
         self.graph_batches.labels(model, "eager").set(get("eager_runs"))

