@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("foundation", "strategies", "peers", "generator", "coldstart", "kernels")
+SECTIONS = ("foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway")
 
 
 def machine() -> str:
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "generator": bench_sections.generator,
         "coldstart": bench_sections.coldstart,
         "kernels": bench_sections.kernels,
+        "gateway": bench_sections.gateway,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

@@ -306,3 +306,54 @@ def kernels(args: argparse.Namespace) -> tuple[str, str]:
         f"round. Command: `{' '.join(['python', *cmd[1:]])}`\n\n```\n{out.stdout.strip()}\n```\n"
     )
     return "Encoder forward on CPU (ours vs Hugging Face)", body
+
+
+GATEWAY_RATES = (300, 1200)
+
+
+def gateway(args: argparse.Namespace) -> tuple[str, str]:
+    """CPU per request of the gateway on a null model, beside an aiohttp stub, at the same rates."""
+    import sys
+
+    out = args.out / "gateway"
+    py = sys.executable
+    specs = (
+        servers.ServerSpec("stub", [py, "-m", "coalesce.loadtests.stub", "--port", "{port}", "--dim", "384"]),
+        servers.ServerSpec("coalesce", [py, "-m", "coalesce.loadtests.nullmodel", "--host", "127.0.0.1",
+                                        "--port", "{port}", "--log-level", "warning"]),
+    )
+    seconds = min(args.duration, 10.0)
+    cost: dict[tuple[str, int], float] = {}
+    rows = []
+    for rate in GATEWAY_RATES:
+        scenario = Scenario(mode=Mode.OPEN, rate=rate, duration=seconds, warmup=0.0, mix=Mix.SHORT)
+        for spec in specs:
+            with servers.running(spec, out / "logs", args.ready_timeout) as srv:
+                time.sleep(1.0)  # let start-up settle
+                before = _cpu_seconds(srv.proc.pid)
+                st = _run(srv.url, scenario, f"{spec.name} {rate}", out)
+                cpu = _cpu_seconds(srv.proc.pid) - before
+            per_request = cpu / max(st.ok, 1) * 1e6
+            cost[spec.name, rate] = per_request
+            lat = st.latency
+            rows.append([
+                spec.name, f"{rate:,}", fmt(st.achieved_rps, 0), f"{per_request:,.0f}",
+                f"{per_request / cost['stub', rate]:.2f}×",
+                fmt(lat.p50_ms) if lat else "-", fmt(lat.p99_ms) if lat else "-",
+            ])
+    ours = cost["coalesce", GATEWAY_RATES[-1]]
+    body = (
+        "What a request costs the server's CPU when the model costs nothing: `coalesce.loadtests.nullmodel` "
+        "is the real service (HTTP, validation, the packaged model's tokenizer, admission, batcher, "
+        "worker threads, metrics, base64 response) with the forward replaced by a constant vector; the "
+        "stub is aiohttp + msgspec answering a canned 384-wide vector, the floor for any Python gateway. "
+        f"Open loop, short single-sentence requests, {seconds:g} s per row, server CPU from /proc "
+        "(all its threads).\n\n"
+        + markdown_table(["server", "offered/s", "achieved/s", "CPU µs / request", "÷ stub", "p50 ms",
+                          "p99 ms"], rows)
+        + f"\n\nAt {GATEWAY_RATES[-1]:,}/s one process spends **{ours:,.0f} µs** of CPU per request, so "
+        f"it cannot take much more than ~{1e6 / ours:,.0f} requests/s on one of these cores however fast "
+        "the model is: a GPU that serves 10,000 short requests/s needs several processes "
+        "(`--workers`).\n"
+    )
+    return "Gateway cost per request (null model, CPU)", body

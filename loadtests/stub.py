@@ -203,8 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8099)
     parser.add_argument("--service-ms", type=float, default=0.0)
     parser.add_argument("--serial", action="store_true")
+    parser.add_argument("--dim", type=int, default=4, help="width of the (zero) vectors it answers")
     args = parser.parse_args(argv)
-    app = create_app(StubConfig(service_ms=args.service_ms, serial=args.serial))
+    app = create_app(StubConfig(service_ms=args.service_ms, serial=args.serial, dim=args.dim))
     try:
         import uvloop
 

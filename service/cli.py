@@ -41,7 +41,7 @@ def _serve(argv: list[str]) -> int:
     from .logs import configure
 
     configure(settings.log_level, settings.log_format)
-    return run(settings)
+    return run(settings, argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -34,6 +35,9 @@ def configure(level: str = "info", fmt: str = "json") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    worker = os.environ.get("COALESCE_WORKER_ID")  # one of --workers: say which on every line
+    if worker is not None:
+        shared.append(lambda _logger, _name, event: {**event, "worker": worker})
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -2,9 +2,17 @@
 
 Per-model series carry the served name as ``model``. The gauges an autoscaler scales on are
 ``coalesce_queue_depth``, ``coalesce_queued_tokens`` and ``coalesce_inflight_requests``.
+
+Under ``--workers`` (``PROMETHEUS_MULTIPROC_DIR`` set before prometheus_client is imported) every
+process writes its series to that directory and ``render`` aggregates all of them, so one scrape of
+any worker describes the replica: counters and histograms add up, and each gauge says how its workers'
+values combine (``multiprocess_mode``; ignored in a single process).
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,6 +32,26 @@ _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSeries:
+    """One model's labelled series, resolved once: ``labels()`` takes a lock and builds a key on every
+    call, which the batcher would otherwise pay a dozen times per batch."""
+
+    queue_depth: Gauge
+    queued_tokens: Gauge
+    queue_wait: Histogram
+    cost_overhead: Gauge
+    cost_per_token: Gauge
+    batch_size: Histogram
+    batch_tokens: Histogram
+    padding_ratio: Histogram
+    forward_seconds: Histogram
+    batches: Counter
+    batch_failures: Counter
+    inputs: Counter
+    tokens: Counter
+
+
 class Metrics:
     """Every series the service exports, on its own registry."""
 
@@ -31,12 +59,17 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         # Admission and queue.
         self.queue_depth = Gauge(
-            "coalesce_queue_depth", "Inputs waiting to be batched.", ["model"], registry=r
+            "coalesce_queue_depth", "Inputs waiting to be batched.", ["model"],
+            multiprocess_mode="livesum", registry=r
         )
         self.queued_tokens = Gauge(
-            "coalesce_queued_tokens", "Tokens waiting to be batched.", ["model"], registry=r
+            "coalesce_queued_tokens", "Tokens waiting to be batched.", ["model"],
+            multiprocess_mode="livesum", registry=r
         )
-        self.inflight = Gauge("coalesce_inflight_requests", "Requests being handled right now.", registry=r)
+        self.inflight = Gauge(
+            "coalesce_inflight_requests", "Requests being handled right now.",
+            multiprocess_mode="livesum", registry=r,
+        )
         self.queue_wait = Histogram(
             "coalesce_queue_wait_seconds",
             "Time an input waited before its batch started.",
@@ -51,14 +84,17 @@ class Metrics:
             registry=r,
         )
         self.tenant_queued_tokens = Gauge(
-            "coalesce_tenant_queued_tokens", "Tokens waiting, per tenant.", ["model", "tenant"], registry=r
+            "coalesce_tenant_queued_tokens", "Tokens waiting, per tenant.", ["model", "tenant"],
+            multiprocess_mode="livesum", registry=r
         )
         # The cost model the batcher sizes batches with: seconds = overhead + per_token × padded tokens.
         self.cost_overhead = Gauge(
-            "coalesce_cost_overhead_seconds", "Fitted fixed cost of one forward.", ["model"], registry=r
+            "coalesce_cost_overhead_seconds", "Fitted fixed cost of one forward.", ["model"],
+            multiprocess_mode="livemax", registry=r
         )
         self.cost_per_token = Gauge(
-            "coalesce_cost_per_token_seconds", "Fitted cost of one padded token.", ["model"], registry=r
+            "coalesce_cost_per_token_seconds", "Fitted cost of one padded token.", ["model"],
+            multiprocess_mode="livemax", registry=r
         )
         # Batches.
         self.batch_size = Histogram(
@@ -104,31 +140,53 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         # CUDA graphs (graph runner only): a snapshot of the runner's capture statistics at each scrape.
         self.graph_capture_seconds = Gauge(
             "coalesce_graph_capture_seconds", "Time spent capturing CUDA graphs (start-up and lazy).",
-            ["model"], registry=r,
+            ["model"], multiprocess_mode="livemax", registry=r,
         )
         self.graph_bytes = Gauge(
-            "coalesce_graph_memory_bytes", "Device memory held by captured graphs.", ["model"], registry=r
+            "coalesce_graph_memory_bytes", "Device memory held by captured graphs.", ["model"],
+            multiprocess_mode="livesum", registry=r
         )
         self.graph_cells = Gauge(
-            "coalesce_graph_cells", "Cells of the graph grid, by state.", ["model", "state"], registry=r
+            "coalesce_graph_cells", "Cells of the graph grid, by state.", ["model", "state"],
+            multiprocess_mode="livemax", registry=r
         )
         self.graph_batches = Gauge(
             "coalesce_graph_batches", "Batches served so far, by path (graph replay or eager).",
-            ["model", "path"], registry=r,
+            ["model", "path"], multiprocess_mode="livesum", registry=r,
         )
         # Lifecycle.
         self.ready = Gauge(
-            "coalesce_ready", "1 once models are loaded and warmed, 0 while starting or draining.", registry=r
+            "coalesce_ready", "1 once models are loaded and warmed, 0 while starting or draining.",
+            multiprocess_mode="livemin", registry=r
         )
         self.startup_seconds = Gauge(
             "coalesce_startup_seconds",
             "Seconds from process start to ready, by phase.",
             ["phase"],
-            registry=r,
+            multiprocess_mode="livemax", registry=r,
         )
+
+    def model_series(self, model: str) -> ModelSeries:
+        """The per-model series of ``model``, resolved for the batcher's hot path."""
+        return ModelSeries(
+            **{name: getattr(self, name).labels(model) for name in ModelSeries.__dataclass_fields__}
+        )
+
+    def request_done(self, route: str, status: int, seconds: float) -> None:
+        """Count one answered request (``route`` is a canonical route, so the key set stays small)."""
+        key = (route, status)
+        series = self._request_series.get(key)
+        if series is None:
+            series = self._request_series[key] = (
+                self.requests.labels(route, str(status)),
+                self.request_seconds.labels(route),
+            )
+        series[0].inc()
+        series[1].observe(seconds)
 
     def record_capture(self, model: str, stats: object) -> None:
         """Copy a graph runner's ``CaptureStats`` (plain attributes) into the gauges."""
@@ -142,4 +200,11 @@ class Metrics:
         self.graph_batches.labels(model, "eager").set(get("eager_runs"))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not path:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=path)
+        return generate_latest(merged)

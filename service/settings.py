@@ -209,6 +209,18 @@ class Settings:
         "then is answered 503 so no caller hangs. Keep grace + drain under the platform's kill delay.",
         default=20.0,
     )
+    workers: int = _knob(
+        "Server processes sharing the port, each with its own copy of the models and its own batcher. "
+        "One event loop tops out at a few thousand small requests per second (HTTP and JSON cost more "
+        "than a short GPU forward), so a fast GPU needs several; on CPU keep 1 (the processes split the "
+        "cores). Metrics are summed over the processes.",
+        default=1,
+    )
+    reuse_port: bool = _knob(
+        "Listen with SO_REUSEPORT and only once the models are ready, so that several processes share "
+        "the port and none is handed a connection before it can serve (set for each of --workers).",
+        default=False,
+    )
     log_level: str = _knob("Log level: debug logs one line per request and per batch.", default="info")
     log_format: str = _knob("Log format: json (for collectors) or console (for people).", default="json")
 
@@ -339,6 +351,8 @@ def _validate(s: Settings) -> None:
         problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
     if not 0 <= s.pipeline_depth <= 4:
         problems.append("pipeline_depth must be 0..4")
+    if not 1 <= s.workers <= 64:
+        problems.append("workers must be 1..64")
     if not 0 < s.port < 65536:
         problems.append("port must be 1..65535")
     if s.log_format not in ("json", "console"):

@@ -65,8 +65,7 @@ class Batcher:
         self.model = model
         self.scheduler = scheduler
         self._metrics = metrics
-        self._m_depth = metrics.queue_depth.labels(model)
-        self._m_tokens = metrics.queued_tokens.labels(model)
+        self._series = metrics.model_series(model)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -232,14 +231,15 @@ class Batcher:
 
     def _gauges(self) -> None:
         sched = self.scheduler
-        self._m_depth.set(sched.queued_items)
-        self._m_tokens.set(sched.queued_tokens)
+        self._series.queue_depth.set(sched.queued_items)
+        self._series.queued_tokens.set(sched.queued_tokens)
         # Only tenants with work waiting are exported: tenant names come from clients.
         waiting = sched.tenant_queued_tokens()
         gauge = self._metrics.tenant_queued_tokens
         for tenant, tokens in waiting.items():
             gauge.labels(self.model, tenant).set(tokens)
         for tenant in self._tenant_series - waiting.keys():
+            gauge.labels(self.model, tenant).set(0)  # what a --workers scrape keeps of a removed series
             gauge.remove(self.model, tenant)
         self._tenant_series = set(waiting)
 
@@ -250,7 +250,7 @@ class Batcher:
                 e.payload.future.set_exception(err)
 
     async def _run_batch(self, batch: list[Entry]) -> None:
-        m, model = self._metrics, self.model
+        m, model = self._series, self.model
         start = time.monotonic()
         lengths = [e.n_tokens for e in batch]
         padded = self.scheduler.padded_cost(len(batch), max(lengths))
@@ -258,7 +258,7 @@ class Batcher:
         try:
             out = await self._engine.run([e.payload.ids for e in batch])
         except Exception as exc:  # the runner's failure reaches exactly this batch
-            m.batch_failures.labels(model).inc()
+            m.batch_failures.inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
             self._answer(
                 batch,
@@ -275,23 +275,22 @@ class Batcher:
         finally:
             self.scheduler.done(padded, seconds, time.monotonic())
             coef = self.scheduler.cost.coef
-            m.cost_overhead.labels(model).set(coef.overhead_s)
-            m.cost_per_token.labels(model).set(coef.per_token_s)
+            m.cost_overhead.set(coef.overhead_s)
+            m.cost_per_token.set(coef.per_token_s)
             self._wake.set()
 
     def _record(self, batch: list[Entry], lengths: list[int], padded: int, start: float, out: Output) -> None:
-        m, model = self._metrics, self.model
+        m, model = self._series, self.model
         ratio = padding_ratio(lengths, padded)
-        m.batches.labels(model).inc()
-        m.inputs.labels(model).inc(len(batch))
-        m.tokens.labels(model).inc(sum(lengths))
-        m.batch_size.labels(model).observe(len(batch))
-        m.batch_tokens.labels(model).observe(padded)
-        m.padding_ratio.labels(model).observe(ratio)
-        m.forward_seconds.labels(model).observe(out.forward_s)
-        wait = m.queue_wait.labels(model)
+        m.batches.inc()
+        m.inputs.inc(len(batch))
+        m.tokens.inc(sum(lengths))
+        m.batch_size.observe(len(batch))
+        m.batch_tokens.observe(padded)
+        m.padding_ratio.observe(ratio)
+        m.forward_seconds.observe(out.forward_s)
         for e in batch:
-            wait.observe(start - e.arrival)
+            m.queue_wait.observe(start - e.arrival)
         log.debug(
             "batch",
             model=model,

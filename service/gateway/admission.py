@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -153,17 +154,30 @@ async def submit_and_wait(
     futures = served.batcher.submit(
         seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline
     )
+    # The deadline is one timer that cancels what is still awaited (cheaper on this path than
+    # asyncio.timeout); `expired` tells its cancellation from the task's own.
+    waiter: asyncio.Future[Any] = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        waiter.cancel()
+
+    timer = asyncio.get_running_loop().call_later(max(0.0, adm.deadline - time.monotonic()), expire)
     try:
-        return list(
-            await asyncio.wait_for(asyncio.gather(*futures), max(0.0, adm.deadline - time.monotonic()))
-        )
-    except TimeoutError:
+        done = await waiter
+        return [done] if len(futures) == 1 else list(done)
+    except asyncio.CancelledError:
+        if not expired:
+            raise
         request.app[METRICS].rejected.labels(served.info.name, "expired").inc()
         raise DeadlineExceeded(
             f"No result within the request's deadline of {adm.timeout_s * 1e3:.0f} ms; "
             "what had not run was dropped."
         ) from None
     finally:
+        timer.cancel()
         for fut in futures:
             fut.cancel()  # no-op for those already done
 

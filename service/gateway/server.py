@@ -11,34 +11,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from ..logs import get_logger
 from ..settings import Settings
 from .app import create_app, drain
+from .models import RunnerFactory
 from .state import LIFECYCLE, MODELS, Phase
 
 log = get_logger("coalesce.server")
 
 
-async def serve(settings: Settings) -> int:
-    """Serve until SIGTERM/SIGINT (then drain; 0) or until a model fails to load (1)."""
-    app = create_app(settings)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_address=True)
-    await site.start()
-    log.info("listening", host=settings.host, port=settings.port)
+async def serve(settings: Settings, runner_factory: RunnerFactory | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (then drain; 0) or until a model fails to load (1).
 
+    ``runner_factory`` replaces model loading (the gateway benchmark serves a null model)."""
+    app = create_app(settings, runner_factory)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+    await runner.setup()  # starts loading the models
+    life = app[LIFECYCLE]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    life = app[LIFECYCLE]
     stopping = asyncio.ensure_future(stop.wait())
     failing = asyncio.ensure_future(life.failed.wait())
-    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    if settings.reuse_port:
+        # One of several processes on the port: the kernel hands connections to any listening one,
+        # so listen only once ready (a loading sibling answers nothing rather than 503).
+        readying = asyncio.ensure_future(life.ready.wait())
+        await asyncio.wait({stopping, failing, readying}, return_when=asyncio.FIRST_COMPLETED)
+        readying.cancel()
+    listening = not (stopping.done() or failing.done())
+    if listening:
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_address=True,
+                           reuse_port=settings.reuse_port or None)
+        await site.start()
+        log.info("listening", host=settings.host, port=settings.port)
+        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
     if failing.done():
         # Nothing can be served: exit non-zero so the platform restarts us and shows the error,
         # rather than sit live but never ready.
@@ -47,6 +59,10 @@ async def serve(settings: Settings) -> int:
         await runner.cleanup()
         return 1
     failing.cancel()
+    if not listening:  # stopped while loading: nobody was ever handed a connection
+        await runner.cleanup()
+        log.info("stopped", before="ready")
+        return 0
 
     life.set(Phase.DRAINING)
     log.info("draining", grace_s=settings.shutdown_grace_s, timeout_s=settings.drain_timeout_s)
@@ -63,9 +79,14 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, argv: Sequence[str] = (), runner_factory: RunnerFactory | None = None) -> int:
+    """Serve ``settings``; with ``workers`` > 1, supervise that many processes started from ``argv``."""
+    if settings.workers > 1:
+        from .workers import supervise
+
+        return supervise(settings, argv)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(serve(settings))
-    return uvloop.run(serve(settings))
+        return asyncio.run(serve(settings, runner_factory))
+    return uvloop.run(serve(settings, runner_factory))

@@ -32,6 +32,7 @@ class Lifecycle:
         self.started = time.monotonic()
         self.error: str | None = None
         self.failed = asyncio.Event()  # set when a model fails to load: the process should exit
+        self.ready = asyncio.Event()  # set once every model is loaded and warmed
         self._metrics = metrics
 
     def set(self, phase: Phase, error: str | None = None) -> None:
@@ -40,6 +41,8 @@ class Lifecycle:
         self._metrics.ready.set(1 if phase is Phase.READY else 0)
         if phase is Phase.FAILED:
             self.failed.set()
+        elif phase is Phase.READY:
+            self.ready.set()
 
     @property
     def serving(self) -> bool:

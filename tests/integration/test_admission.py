@@ -76,6 +76,19 @@ async def test_expired_deadline_is_answered_without_compute(serve: Any) -> None:
     )
 
 
+async def test_a_deadline_that_passes_mid_batch_is_answered_504_at_once(serve: Any) -> None:
+    runner = FakeRunner()  # calibrates as instant, then turns slow: admission cannot see it coming
+    srv = serve(build([], environ={}), lambda s: runner)
+    runner.batch_seconds = 1.0
+    status, body, _ = await post(
+        srv.url, {"model": "fake", "input": "caught mid-batch"}, headers={"X-Request-Timeout": "200"}
+    )
+    assert status == 504, "the answer must come at the deadline, not when the batch ends"
+    assert body["error"]["code"] == "deadline_exceeded"
+    text = await metrics_text(srv.url)
+    assert sample(text, "coalesce_rejected_total", reason="expired") == 1
+
+
 async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
     runner = FakeRunner(batch_seconds=0.4)
     srv = serve(build(["--max-batch-size", "1"], environ={}), lambda s: runner)

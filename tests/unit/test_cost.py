@@ -51,3 +51,15 @@ def test_ignores_nonsense() -> None:
     model.observe(0, 1.0)
     model.observe(100, -1.0)
     assert model.coef == before
+
+
+def test_the_fit_is_never_more_than_a_sixteenth_of_the_window_behind() -> None:
+    model = CostModel(window=64)
+    for t in range(100, 6500, 100):
+        model.observe(t, 0.01 + 1e-4 * t)
+    before = model.predict(1000)
+    for i, t in enumerate(range(100, 6500, 100)):
+        model.observe(t, 0.001 + 1e-6 * t)  # a faster device: the fit must follow within 4 batches
+        if i >= 3:
+            assert model.predict(1000) < before
+            break

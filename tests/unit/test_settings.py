@@ -65,3 +65,15 @@ def test_settings_are_frozen() -> None:
     s = build([], environ={})
     with pytest.raises(AttributeError):
         s.port = 1  # type: ignore[misc]
+
+
+def test_a_worker_runs_the_supervisors_flags_as_one_process_on_a_shared_port() -> None:
+    from coalesce.service.gateway.workers import worker_command
+
+    argv = ["--workers", "4", "--port", "9000", "--max-batch-size", "32"]
+    assert build(argv).workers == 4
+    worker = build(worker_command(argv)[4:])  # after `python -m coalesce.service.cli serve`
+    assert (worker.workers, worker.reuse_port, worker.port, worker.max_batch_size) == (1, True, 9000, 32)
+    assert build(environ={"COALESCE_WORKERS": "3"}).workers == 3
+    with pytest.raises(SystemExit, match="workers"):
+        build(["--workers", "0"])
