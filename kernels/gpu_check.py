@@ -15,7 +15,8 @@ directory with random weights for the GPU machine, which lacks the package). Eve
 the host→device copy of the inputs and the copy of the embeddings back, and excludes padding on the
 host (the prep thread does that while the device runs).
 
-The end-to-end part starts the service with ``--service-cmd`` (``{port}`` is substituted) or uses
+The end-to-end part starts the service with ``--service-cmd`` (``{port}`` is substituted; repeat
+the flag to compare configurations, e.g. ``--workers 1`` against ``--workers 4``) or uses
 ``--service-url``, and drives it with closed-loop stdlib HTTP clients in separate processes; it is
 skipped, saying why, without either or when the service's dependencies are missing. Exit status 1 when
 a correctness check fails. Nothing here imports the service or aiohttp.
@@ -312,7 +313,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-graphs", action="store_true", help="skip capture and the graph column")
     p.add_argument("--st-model", help="sentence-transformers directory for the loader-vs-encode check "
                    "(default: the packaged all-MiniLM-L6-v2 when installed)")
-    p.add_argument("--service-cmd", help="starts the service on {port}: 'coalesce serve --port {port}'")
+    p.add_argument("--service-cmd", action="append", default=[],
+                   help="starts the service on {port}: 'coalesce serve --port {port}'; repeat to compare")
     p.add_argument("--service-url", help="an already running service, e.g. http://127.0.0.1:8080")
     p.add_argument("--concurrency", type=parse_sizes, default=(1, 64, 256), help="service run clients")
     p.add_argument("--service-seconds", type=float, default=10.0, help="seconds per concurrency level")
@@ -322,7 +324,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.cpu_smoke:
         args.device, args.dtype, args.max_tokens = "cpu", "float32", 32
         args.batch_sizes, args.seq_lens, args.seconds_per_case = (1, 2), (8, 16), 0.0
-        args.service_cmd = args.service_url = None
+        args.service_cmd, args.service_url = [], None
     return args
 
 

@@ -30,14 +30,17 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
       "transformers", transformers.__version__, "sentence-transformers", st.__version__)'
 } 2>&1 | tee "$out/machine.txt"
 
-COALESCE_GPU_MODEL="$model" timeout 100 "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+COALESCE_GPU_MODEL="$model" timeout 90 "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     2>&1 | tee "$out/gpu-tests.log"
 tests=$?
 
 # Progress (stderr) shows as it happens and is kept; the table (stdout) prints once, at the end.
+# The service runs twice, one process and four (--workers): one event loop caps small requests/s.
+serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
+serve="$serve --log-level warning --shutdown-grace-s 0"
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout 200 "$py" -m coalesce.kernels.gpu_check --st-model "$model" \
-    --service-cmd "$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model --log-level warning" \
+timeout 210 "$py" -m coalesce.kernels.gpu_check --st-model "$model" --service-seconds 6 \
+    --service-cmd "$serve" --service-cmd "$serve --workers ${GPU_WORKERS:-4}" \
     ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2) | tee "$out/gpu-check.txt"
 check=$?
 echo "gpu tests: exit $tests; gpu_check: exit $check"

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
@@ -29,17 +30,29 @@ _SERVICE_DEPS = ("aiohttp", "msgspec", "structlog", "prometheus_client")
 
 
 def run_service_load(args: argparse.Namespace) -> list[str]:
-    """One line per concurrency level of ``args.concurrency``, or one line saying why it was skipped."""
-    if args.service_url is None and args.service_cmd is None:
+    """Lines of rows per service: one per concurrency level of ``args.concurrency``, under a header per
+    ``--service-cmd`` when there are several; or one line saying why it was skipped."""
+    if args.service_url is None and not args.service_cmd:
         return ["skipped: pass --service-cmd 'coalesce serve --port {port} ...' or --service-url URL"]
     missing = [m for m in _SERVICE_DEPS if importlib.util.find_spec(m) is None]
-    if args.service_cmd is not None and missing:
+    if args.service_cmd and missing:
         return [f"skipped: the service needs {', '.join(missing)}, not installed here"]
+    if args.service_url is not None:
+        return _measure(args.service_url, None, args)
+    lines = []
+    for cmd in args.service_cmd:
+        if len(args.service_cmd) > 1:
+            lines.append(f"$ {cmd}")
+        lines += _measure(None, cmd, args)
+    return lines
+
+
+def _measure(url: str | None, cmd: str | None, args: argparse.Namespace) -> list[str]:
     proc = None
-    url = args.service_url
     if url is None:
+        assert cmd is not None
         port = _free_port()
-        proc = subprocess.Popen(args.service_cmd.format(port=port), shell=True, start_new_session=True)
+        proc = subprocess.Popen(cmd.format(port=port), shell=True, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
     try:
         if not _wait_ready(url, proc, timeout_s=240):
@@ -128,18 +141,31 @@ def _no_delay(conn: http.client.HTTPConnection) -> None:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> bool:
+    """/ready answers 200, and where /metrics exports ``coalesce_ready`` it reads 1: with ``--workers``
+    the first worker listens while its siblings still load, and the gauge is their minimum."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             return False
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
+                ready = resp.status == 200
+            if ready and _every_worker_ready(url):
+                return True
+        except (OSError, ValueError):
             pass
         time.sleep(0.5)
     return False
+
+
+def _every_worker_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError:
+        return True  # no metrics route: /ready is all there is to go by
+    gauges = [ln for ln in text.splitlines() if ln.startswith("coalesce_ready ")]
+    return all(float(ln.split()[1]) == 1.0 for ln in gauges)
 
 
 def _first_model(url: str) -> str:

@@ -199,9 +199,14 @@ class Metrics:
         self.graph_batches.labels(model, "graph").set(get("graph_replays"))
         self.graph_batches.labels(model, "eager").set(get("eager_runs"))
 
+    @property
+    def multiprocess_dir(self) -> str | None:
+        """The directory ``--workers`` share their series through; None in a single process."""
+        return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
     def render(self) -> bytes:
-        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if not path:
+        path = self.multiprocess_dir
+        if path is None:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess
 

@@ -233,13 +233,15 @@ class Batcher:
         sched = self.scheduler
         self._series.queue_depth.set(sched.queued_items)
         self._series.queued_tokens.set(sched.queued_tokens)
-        # Only tenants with work waiting are exported: tenant names come from clients.
+        # Only tenants with work waiting are exported: tenant names come from clients. Under --workers
+        # the shared series can never be removed, so none is exported there.
+        if self._metrics.multiprocess_dir is not None:
+            return
         waiting = sched.tenant_queued_tokens()
         gauge = self._metrics.tenant_queued_tokens
         for tenant, tokens in waiting.items():
             gauge.labels(self.model, tenant).set(tokens)
         for tenant in self._tenant_series - waiting.keys():
-            gauge.labels(self.model, tenant).set(0)  # what a --workers scrape keeps of a removed series
             gauge.remove(self.model, tenant)
         self._tenant_series = set(waiting)
 

@@ -14,8 +14,9 @@ platform sees the failure and restarts the replica rather than run it short of a
 
 Metrics: the workers share a Prometheus multiprocess directory, so ``/metrics`` on any worker reports
 the sum over all of them (queue depths and in-flight requests add up, ``coalesce_ready`` is 1 only when
-every live worker is ready). Torch's CPU threads are split between workers unless ``OMP_NUM_THREADS``
-is set.
+every live worker is ready); the per-tenant gauge is not exported (a series named by a client could
+never be removed from the shared files). Torch's CPU threads are split between workers unless
+``OMP_NUM_THREADS`` is set.
 """
 
 from __future__ import annotations
