@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(argv: list[str]) -> int:
+    # Tokenisation has its own thread; the tokenizers library's parallel pool would spin on the cores
+    # the forward and the event loop need (measured: -10% throughput on 2 cores). Set it to opt in.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
         prog="coalesce serve",
         description="Serve embedding models over HTTP (OpenAI-compatible), coalescing requests into "
