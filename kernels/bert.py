@@ -3,14 +3,12 @@
 BERT, MiniLM, bge, e5 and gte-small share one architecture. This module re-expresses it so a whole
 batch — embeddings, attention, feed-forward, pooling, L2 normalisation — is one function of two
 fixed-shape tensors, ``input_ids`` (B, S) and ``lengths`` (B,), with no host synchronisation and no
-data-dependent Python branch on a GPU. That is what CUDA graph capture needs, and it is also faster
-eagerly:
+data-dependent Python branch. That is what CUDA graph capture needs, and it is also faster eagerly:
 
 * the attention mask is additive and built on the device from ``lengths`` (the Hugging Face SDPA
   mask helper checks ``torch.all(mask == 1)`` on the host, which breaks capture);
 * query, key and value are one fused projection (weights concatenated at load time);
-* position and token-type embeddings are one precomputed table (token type is always 0 here);
-* on the CPU (never captured) a batch with no padding skips the mask, for the unmasked attention kernel.
+* position and token-type embeddings are one precomputed table (token type is always 0 here).
 
 Rows past a sequence's length are padding: masked out of attention and pooling. A row of length 0
 (a padded row that fills a bucket) sees every key masked with a large finite negative bias, so its
@@ -177,7 +175,7 @@ class _Layer(nn.Module):
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, device=meta)
         self.act = _ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         ctx = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=bias)
@@ -293,15 +291,11 @@ class GraphSafeBert(nn.Module):
         s = input_ids.shape[1]
         keep = self.positions[:s].unsqueeze(0) < lengths.unsqueeze(1)  # (B, S) bool, on the device
         x = self.emb_norm(self.word(input_ids) + self.pos_type[:s])
-        # The additive mask holds half the dtype's most negative value: exp() of it is 0, and adding an
-        # attention score to it cannot overflow to -inf, so a fully masked row stays finite. On the host,
-        # where asking costs no device sync, a batch with no padded row goes without a mask: attention
-        # then takes the CPU's faster unmasked kernel, as Hugging Face's forward does.
-        bias: torch.Tensor | None = None
-        if input_ids.device.type != "cpu" or not bool(keep.all()):
-            neg = torch.finfo(x.dtype).min / 2
-            bias = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill_(~keep, neg)
-            bias = bias[:, None, None, :]
+        # Half the dtype's most negative value: exp() of it is 0, and adding an attention score to it
+        # cannot overflow to -inf, so a fully masked row stays finite.
+        neg = torch.finfo(x.dtype).min / 2
+        bias = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill_(~keep, neg)
+        bias = bias[:, None, None, :]
         for layer in self.layers:
             x = layer(x, bias)
         h = x.float()

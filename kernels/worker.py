@@ -48,8 +48,8 @@ class ModelWorker:
     """Drives one runner: tokenise and prepare on a CPU thread, forward on the device thread.
 
     Requests that ask for tokenisation in the same event-loop turn share one hand-off to the CPU thread
-    (one wake-up each way and one ``encode_batch`` over all their texts, which the tokenizer spreads
-    over cores) instead of one each; a lone request waits for nobody. If the shared call raises, each
+    (one wake-up each way and one ``encode_batch`` over all their texts) instead of one each; a lone
+    request waits for nobody. If the shared call raises, each
     request is tokenised alone, so a failure reaches only the request that caused it.
     """
 

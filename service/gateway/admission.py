@@ -169,8 +169,9 @@ async def submit_and_wait(
         done = await waiter
         return [done] if len(futures) == 1 else list(done)
     except asyncio.CancelledError:
-        if not expired:
-            raise
+        task = asyncio.current_task()
+        if not expired or (task is not None and task.cancelling()):
+            raise  # the request itself was cancelled (its client left, or shutdown)
         request.app[METRICS].rejected.labels(served.info.name, "expired").inc()
         raise DeadlineExceeded(
             f"No result within the request's deadline of {adm.timeout_s * 1e3:.0f} ms; "
