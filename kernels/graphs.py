@@ -131,9 +131,12 @@ class CudaGraphs:
         except Exception:
             self._failed = True
             self._graphs.clear()  # a failure mid-capture may have left the shared pool inconsistent
+            self.stats.cells_captured = 0
+            self.stats.bytes = 0
             self.stats.capture_failures += 1
             log.exception("CUDA graph capture of cell %s failed; graphs are off, batches run eagerly", cell)
             torch.cuda.synchronize(self._device)  # let the eager forward start from a settled device
+            torch.cuda.empty_cache()  # the dropped graphs' pool
             return None
 
     def _capture(self, cell: Cell) -> _Captured | None:
