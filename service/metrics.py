@@ -57,6 +57,9 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # The directory ``--workers`` share their series through (prometheus_client chose its value
+        # storage from it at import); None in a single process.
+        self.multiprocess_dir: str | None = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         # Admission and queue.
         self.queue_depth = Gauge(
             "coalesce_queue_depth", "Inputs waiting to be batched.", ["model"],
@@ -198,11 +201,6 @@ class Metrics:
             self.graph_cells.labels(model, state).set(get(attr))
         self.graph_batches.labels(model, "graph").set(get("graph_replays"))
         self.graph_batches.labels(model, "eager").set(get("eager_runs"))
-
-    @property
-    def multiprocess_dir(self) -> str | None:
-        """The directory ``--workers`` share their series through; None in a single process."""
-        return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
     def render(self) -> bytes:
         path = self.multiprocess_dir

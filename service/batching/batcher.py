@@ -206,7 +206,8 @@ class Batcher:
                     ),
                 )
             if isinstance(decision, Dispatch):
-                asyncio.get_running_loop().create_task(self._run_batch(decision.batch))
+                batch_run = self._run_batch(decision.batch, decision.padded_tokens)
+                asyncio.get_running_loop().create_task(batch_run)
                 continue
             if isinstance(decision, Wait):
                 self._wake_at(decision.until)
@@ -251,11 +252,10 @@ class Batcher:
             if not e.payload.future.done():
                 e.payload.future.set_exception(err)
 
-    async def _run_batch(self, batch: list[Entry]) -> None:
+    async def _run_batch(self, batch: list[Entry], padded: int) -> None:
         m, model = self._series, self.model
         start = time.monotonic()
         lengths = [e.n_tokens for e in batch]
-        padded = self.scheduler.padded_cost(len(batch), max(lengths))
         seconds: float | None = None
         try:
             out = await self._engine.run([e.payload.ids for e in batch])

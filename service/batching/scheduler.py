@@ -73,6 +73,7 @@ class Refusal:
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     batch: list[Entry]
+    padded_tokens: int  # what the batch costs the model (its cell's area with graphs); done() takes it back
     predicted_s: float
 
 
@@ -215,11 +216,12 @@ class Scheduler:
             if hold is not None:
                 return Wait(hold), expired, shed
         batch = [window[i] for i in picked]
-        predicted = self.cost.predict(self.padded_cost(len(batch), max(e.n_tokens for e in batch)))
+        padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
+        predicted = self.cost.predict(padded)
         self._take(batch)
         self.inflight += 1
         self.busy_until = start + predicted
-        return Dispatch(batch, predicted), expired, shed
+        return Dispatch(batch, padded, predicted), expired, shed
 
     def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
         """A dispatched batch finished (``seconds`` None if it failed)."""

@@ -14,7 +14,7 @@ from ..schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage,
 from .admission import submit_and_wait, timing_headers
 from .models import ServedModel, check_ids
 from .state import MODELS, SETTINGS, require_ready
-from .tasks import checked_items, require_task
+from .tasks import checked_items, encode_texts, fit_sequences, require_task
 
 
 def parse_inputs(
@@ -38,27 +38,13 @@ def parse_inputs(
 async def encode_inputs(
     request: web.Request, served: ServedModel, texts: Sequence[str], arrays: Sequence[Sequence[int]]
 ) -> list[list[int]]:
-    """Complete id sequences (special tokens added, truncated or rejected per settings)."""
-    settings = request.app[SETTINGS]
-    info = served.info
+    """Complete id sequences (special tokens added, truncated or rejected per ``--truncate``)."""
+    hint = "run the server without --no-truncate"  # this route has no per-request truncate field
     if texts:
-        served.batcher.ensure_room()  # refuse a flood before tokenising it
-        raw = await served.worker.tokenize(texts)
-    else:
-        for i, arr in enumerate(arrays):
-            check_ids(arr, info.vocab_size, i)
-        raw = [list(a) for a in arrays]
-    room = info.max_tokens - served.specials
-    if not settings.truncate:
-        for i, ids in enumerate(raw):
-            if len(ids) > room:
-                raise InvalidRequest(
-                    f"Input {i} has {len(ids) + served.specials} tokens; model '{info.name}' takes at most "
-                    f"{info.max_tokens}. Shorten it, or run the server without --no-truncate.",
-                    param=f"input[{i}]",
-                    code="input_too_long",
-                )
-    return [served.runner.with_special_tokens(ids) for ids in raw]
+        return await encode_texts(request, served, texts, truncate=None, field="input", hint=hint)
+    for i, arr in enumerate(arrays):
+        check_ids(arr, served.info.vocab_size, i)
+    return fit_sequences(request, served, arrays, truncate=None, field="input", hint=hint)
 
 
 def vector(row: np.ndarray, dimensions: int | None) -> np.ndarray:

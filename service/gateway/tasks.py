@@ -88,11 +88,15 @@ def _truncating(request: web.Request, truncate: bool | None) -> bool:
     return request.app[SETTINGS].truncate if truncate is None else truncate
 
 
-def _too_long(served: ServedModel, field: str, i: int, tokens: int) -> InvalidRequest:
+SEND_TRUNCATE = 'send "truncate": true'
+
+
+def _too_long(
+    served: ServedModel, field: str, i: int, tokens: int, hint: str = SEND_TRUNCATE
+) -> InvalidRequest:
     return InvalidRequest(
         f"{field}[{i}] has {tokens} tokens; model '{served.info.name}' takes at most "
-        f"{served.info.max_tokens}. "
-        'Shorten it, or send "truncate": true.',
+        f"{served.info.max_tokens}. Shorten it, or {hint}.",
         param=f"{field}[{i}]",
         code="input_too_long",
     )
@@ -107,19 +111,40 @@ async def encode_texts(
     field: str,
     left: bool = False,
     positions: Sequence[int] | None = None,
+    hint: str = SEND_TRUNCATE,
 ) -> list[list[int]]:
     """Complete id sequences for single texts, truncated (keeping the end when ``left``) or rejected.
 
-    ``positions`` are the texts' indices in the request's ``field``, for the error naming one."""
+    ``positions`` are the texts' indices in the request's ``field``, for the error naming one;
+    ``hint`` tells the caller how to have it truncated instead."""
     served.batcher.ensure_room()  # refuse a flood before tokenising it
     raw = await served.worker.tokenize(texts)
+    return fit_sequences(request, served, raw, truncate=truncate, field=field, left=left,
+                         positions=positions, hint=hint)
+
+
+def fit_sequences(
+    request: web.Request,
+    served: ServedModel,
+    raw: Sequence[Sequence[int]],
+    *,
+    truncate: bool | None,
+    field: str,
+    left: bool = False,
+    positions: Sequence[int] | None = None,
+    hint: str = SEND_TRUNCATE,
+) -> list[list[int]]:
+    """Raw ids (tokenised texts or a client's token arrays) with special tokens added, each cut to
+    the model's length (keeping the end when ``left``) or, without truncation, rejected by name."""
     room = served.info.max_tokens - served.specials
     cut = _truncating(request, truncate)
     seqs = []
     for i, ids in enumerate(raw):
         if len(ids) > room:
             if not cut:
-                raise _too_long(served, field, positions[i] if positions else i, len(ids) + served.specials)
+                raise _too_long(
+                    served, field, positions[i] if positions else i, len(ids) + served.specials, hint
+                )
             if left:
                 ids = ids[len(ids) - room :]
         seqs.append(served.runner.with_special_tokens(ids))

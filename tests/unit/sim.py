@@ -129,7 +129,7 @@ def simulate(
             if isinstance(decision, Dispatch):
                 batch = decision.batch
                 res.late_dispatches += sum(1 for e in batch if e.deadline is not None and e.deadline <= now)
-                padded = eager_cost(len(batch), max(e.n_tokens for e in batch))
+                padded = decision.padded_tokens
                 seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise))
                 res.batch_sizes.append(len(batch))
                 push(now + seconds, "done", (batch, padded, seconds))
