@@ -32,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(argv: list[str]) -> int:
     # Tokenisation has its own thread; the tokenizers library's parallel pool would spin on the cores
-    # the forward and the event loop need (measured: -10% throughput on 2 cores). Set it to opt in.
+    # the forward and the event loop need (it cost closed-loop throughput on a 2-core machine). Set
+    # TOKENIZERS_PARALLELISM to opt back in.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(
         prog="coalesce serve",

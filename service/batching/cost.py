@@ -3,8 +3,8 @@
 Fitted online from measured batches over a sliding window by least squares, refitted after discarding
 points whose residual is far beyond the window's typical one (a GC pause or a noisy neighbour should not
 move the model). Seeded by warm-up batches so the first decisions are already measured, not guessed.
-A refit walks the whole window several times (~0.1 ms of pure Python for 128 points), which at low load
-is once per request, so after the first 16 points it runs every ``window // 16``-th batch: the fit is
+A refit walks the whole window several times in pure Python, which at low load would be once per
+request, so after the first 16 points it runs every ``window // 16``-th batch: the fit is
 never more than 1/16 of a window behind. Pure: no clock, no asyncio, no torch.
 """
 
