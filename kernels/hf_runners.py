@@ -10,7 +10,7 @@ sigmoid or none, from the model's config) so ``raw_scores`` costs nothing extra.
 :class:`~coalesce.kernels.protocol.PairIds`, whose ``b_start`` sets the segment ids.
 
 Also here, torch-free: :func:`detect_task`, which reads a model directory's JSON files to decide which
-task it serves, and :func:`token_spans`, the detailed tokenisation behind TEI's ``/tokenize``.
+task it serves.
 Construction loads weights; only the model thread may call ``forward``/``finish``/``warmup``.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +116,8 @@ def _max_tokens(root: Path, config: dict[str, Any], tokenizer: Any) -> int:
 class SequenceClassifierRunner:
     """Runs an ``AutoModelForSequenceClassification`` eagerly, padded to each batch's longest input."""
 
+    capture_stats = None  # no CUDA graphs here
+
     def __init__(
         self,
         path: str,
@@ -197,37 +198,3 @@ class SequenceClassifierRunner:
         ):
             prepared = self.prepare(batch)
             self.finish(self.forward(prepared), prepared)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenSpan:
-    """One token of a text: its id, its text, whether the tokenizer added it, and its character span."""
-
-    id: int
-    text: str
-    special: bool
-    start: int | None
-    stop: int | None
-
-
-def token_spans(runner: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[TokenSpan]]:
-    """Each text's tokens with their character offsets (TEI's ``/tokenize``). CPU work, any thread.
-
-    Every runner here keeps a ``TokenizerAdapter`` as ``tokens``, the tokenizer the model's inputs come
-    from, so the spans match them.
-    """
-    tokens = getattr(runner, "tokens", None)
-    if not isinstance(tokens, TokenizerAdapter):
-        raise TypeError(f"{type(runner).__name__} exposes no tokenizer")
-    out = []
-    for text, enc in zip(texts, tokens.encodings(texts, add_special_tokens), strict=True):
-        spans = []
-        for tid, tok, special, (start, stop) in zip(
-            enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
-        ):
-            if special:
-                spans.append(TokenSpan(int(tid), str(tok), True, None, None))
-            else:
-                spans.append(TokenSpan(int(tid), text[start:stop], False, int(start), int(stop)))
-        out.append(spans)
-    return out

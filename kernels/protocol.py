@@ -7,9 +7,10 @@ A runner works in three steps, each on plain data:
 * ``forward`` (the model thread only): run the model;
 * ``finish`` (the model thread only): pool, normalise, copy to host, drop padded rows.
 
-Tokenisation happens before batching (``tokenize`` + ``with_special_tokens``) because the batcher
-needs true token counts to form batches under a token budget. Nothing here imports torch, so the
-gateway and the batching policy can depend on this module.
+Tokenisation happens before batching, in the gateway, through the runner's ``tokens`` (a
+:class:`Tokens`): the batcher needs true token counts to form batches under a token budget, and a
+gateway process tokenises with the engine's own tokenizer without loading the model. Nothing here
+imports torch, so the gateway and the batching policy can depend on this module.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .graphs import CaptureStats
+    from .tokens import TokenizerSpec
 
 
 class Task(StrEnum):
@@ -62,18 +67,55 @@ class PairIds(list[int]):
         self.b_start = b_start
 
 
-@runtime_checkable
-class Runner(Protocol):
-    """An execution engine for one model. Only the model thread calls ``forward`` and ``finish``."""
+class Tokens(Protocol):
+    """A model's tokenizer as the gateway uses it: raw ids, length limits and special tokens."""
 
-    info: ModelInfo
+    max_tokens: int  # longest sequence the model accepts, special tokens included
+    vocab_size: int
+    pad_id: int
+
+    @property
+    def specials(self) -> int:
+        """Special tokens added to every single text."""
+        ...
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text without special tokens and without truncation."""
         ...
 
     def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
-        """Truncate raw ids to fit ``info.max_tokens`` and add the model's special tokens."""
+        """Truncate raw ids to fit ``max_tokens`` and add the model's special tokens."""
+        ...
+
+    def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> tuple[list[int], int]:
+        """Raw ids of A and B truncated longest-first and joined; also where B starts."""
+        ...
+
+    def spec(self) -> TokenizerSpec:
+        """This tokenizer as data, for a gateway process to rebuild it exactly."""
+        ...
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """An execution engine for one model. Only the model thread calls ``forward``, ``finish`` and
+    ``warmup``; ``prepare`` and ``padded_cost`` may run on any thread."""
+
+    info: ModelInfo
+
+    @property
+    def tokens(self) -> Tokens:
+        """The tokenizer the model's inputs come from."""
+        ...
+
+    @property
+    def device(self) -> object:
+        """Where the forward runs; ``str()`` names it (``cpu``, ``cuda:0``, ...)."""
+        ...
+
+    @property
+    def capture_stats(self) -> CaptureStats | None:
+        """CUDA-graph runners' capture statistics; None for runners without graphs."""
         ...
 
     def padded_cost(self, n: int, max_len: int) -> int:
@@ -94,13 +136,4 @@ class Runner(Protocol):
 
     def warmup(self) -> None:
         """Run representative batches so the first request pays no first-use costs. Model thread only."""
-        ...
-
-
-@runtime_checkable
-class PairRunner(Runner, Protocol):
-    """A runner that scores text pairs (a cross-encoder, or a classifier given pairs)."""
-
-    def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> PairIds:
-        """Truncate raw ids of A and B (longest first) to fit ``info.max_tokens`` and join them."""
         ...

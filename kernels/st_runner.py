@@ -65,6 +65,8 @@ class Prepared:
 class SentenceTransformerRunner:
     """Runs a ``SentenceTransformer`` module stack eagerly."""
 
+    capture_stats = None  # no CUDA graphs here
+
     def __init__(
         self, path: str, *, name: str | None, device: str = "auto", aliases: Sequence[str] = ()
     ) -> None:

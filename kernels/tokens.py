@@ -4,18 +4,41 @@ Works on the ``tokenizers`` backend directly (a private copy with padding and tr
 the batcher needs each input's true length before batching, and special tokens are added after our own
 truncation so ``--no-truncate`` can name an input that is too long. The adapter is built either from a
 Hugging Face tokenizer object or, for a cold start without ``transformers``, from a bare
-``tokenizers.Tokenizer`` read from ``tokenizer.json``.
+``tokenizers.Tokenizer`` read from ``tokenizer.json``. ``spec``/``from_spec`` carry an adapter to
+another process exactly (a gateway tokenises with the engine's own tokenizer, without torch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """A ``TokenizerAdapter`` as plain data: the backend's JSON and the limits around it."""
+
+    json: str
+    max_tokens: int
+    pad_id: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpan:
+    """One token of a text: its id, its text, whether the tokenizer added it, and its character span."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
 
 
 class TokenizerAdapter:
@@ -56,6 +79,20 @@ class TokenizerAdapter:
         adapter._setup(tokenizer, max_tokens, pad_id, vocab_size)
         return adapter
 
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> TokenizerAdapter:
+        """The adapter ``spec`` describes (made by ``spec()`` in another process)."""
+        from tokenizers import Tokenizer
+
+        return cls.from_tokenizer(
+            Tokenizer.from_str(spec.json), spec.max_tokens, pad_id=spec.pad_id, vocab_size=spec.vocab_size
+        )
+
+    def spec(self) -> TokenizerSpec:
+        """Everything needed to rebuild this adapter elsewhere: the backend tokenizer as it runs here
+        (normaliser changes included) and the limits around it."""
+        return TokenizerSpec(self._tok.to_str(), self.max_tokens, self.pad_id, self.vocab_size)
+
     def _setup(self, tok: Tokenizer, max_tokens: int, pad_id: int, vocab_size: int) -> None:
         self._tok = tok
         self._tok.no_padding()
@@ -90,9 +127,21 @@ class TokenizerAdapter:
         """Raw ids without special tokens, untruncated."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
-    def encodings(self, texts: Sequence[str], add_special_tokens: bool) -> list[Any]:
-        """The backend's full encodings (ids, tokens, offsets, special-token mask), for /tokenize."""
-        return list(self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens))
+    def spans(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[TokenSpan]]:
+        """Each text's tokens with their character offsets (TEI's ``/tokenize``). CPU work, any thread."""
+        out = []
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        for text, enc in zip(texts, encodings, strict=True):
+            row = []
+            for tid, tok, special, (start, stop) in zip(
+                enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+            ):
+                if special:
+                    row.append(TokenSpan(int(tid), str(tok), True, None, None))
+                else:
+                    row.append(TokenSpan(int(tid), text[start:stop], False, int(start), int(stop)))
+            out.append(row)
+        return out
 
     def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
         """Truncate to fit ``max_tokens`` with the special tokens, then add them."""

@@ -45,7 +45,8 @@ def _serve(argv: list[str]) -> int:
     from .gateway.server import run
     from .logs import configure
 
-    configure(settings.log_level, settings.log_format)
+    process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
+    configure(settings.log_level, settings.log_format, process)
     return run(settings, argv)
 
 

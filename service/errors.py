@@ -63,7 +63,7 @@ class PayloadTooLarge(CoalesceError):
     default_code = "payload_too_large"
 
 
-class _RetryableError(CoalesceError):
+class RetryableError(CoalesceError):
     """An error the caller should retry after ``retry_after`` seconds."""
 
     def __init__(self, message: str, *, retry_after: float, code: str | None = None) -> None:
@@ -75,7 +75,7 @@ class _RetryableError(CoalesceError):
         return {"Retry-After": str(max(1, round(self.retry_after + 0.4999)))}
 
 
-class Overloaded(_RetryableError):
+class Overloaded(RetryableError):
     """The queue bound would be exceeded: rejected at the door, before any work is done."""
 
     status = 429
@@ -83,7 +83,7 @@ class Overloaded(_RetryableError):
     default_code = "queue_full"
 
 
-class Unavailable(_RetryableError):
+class Unavailable(RetryableError):
     """Not ready, draining, or a request that cannot meet its deadline."""
 
     status = 503

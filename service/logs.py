@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
 
@@ -20,8 +19,9 @@ def _serialize(obj: Any, default: Any = None) -> str:
     )
 
 
-def configure(level: str = "info", fmt: str = "json") -> None:
-    """Configure structlog and the stdlib root logger (libraries log through it)."""
+def configure(level: str = "info", fmt: str = "json", process: str | None = None) -> None:
+    """Configure structlog and the stdlib root logger (libraries log through it). ``process`` names
+    this process on every line when it is one of several (``engine``, ``gateway-0``, ...)."""
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         numeric = logging.INFO
@@ -35,9 +35,8 @@ def configure(level: str = "info", fmt: str = "json") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    worker = os.environ.get("COALESCE_WORKER_ID")  # one of --workers: say which on every line
-    if worker is not None:
-        shared.append(lambda _logger, _name, event: {**event, "worker": worker})
+    if process is not None:
+        shared.append(lambda _logger, _name, event: {**event, "process": process})
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -23,6 +23,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+# X-Priority's classes by their index in the scheduler (0 is served first).
+PRIORITY_NAMES = ("high", "normal", "low")
+
 # The *_created series double the exposition for no use of ours.
 disable_created_metrics()
 
@@ -39,7 +42,7 @@ class ModelSeries:
 
     queue_depth: Gauge
     queued_tokens: Gauge
-    queue_wait: Histogram
+    queue_wait: tuple[Histogram, ...]  # indexed by priority class: high, normal, low
     cost_overhead: Gauge
     cost_per_token: Gauge
     batch_size: Histogram
@@ -75,8 +78,8 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "coalesce_queue_wait_seconds",
-            "Time an input waited before its batch started.",
-            ["model"],
+            "Time an input waited before its batch started, by priority class (X-Priority).",
+            ["model", "priority"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -175,9 +178,13 @@ class Metrics:
 
     def model_series(self, model: str) -> ModelSeries:
         """The per-model series of ``model``, resolved for the batcher's hot path."""
-        return ModelSeries(
-            **{name: getattr(self, name).labels(model) for name in ModelSeries.__dataclass_fields__}
-        )
+        fields: dict[str, object] = {
+            name: getattr(self, name).labels(model)
+            for name in ModelSeries.__dataclass_fields__
+            if name != "queue_wait"
+        }
+        waits = tuple(self.queue_wait.labels(model, cls) for cls in PRIORITY_NAMES)
+        return ModelSeries(queue_wait=waits, **fields)  # type: ignore[arg-type]
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
         """Count one answered request (``route`` is a canonical route, so the key set stays small)."""

@@ -210,11 +210,30 @@ class Settings:
         default=20.0,
     )
     workers: int = _knob(
-        "Server processes sharing the port, each with its own copy of the models and its own batcher. "
-        "One event loop tops out at a few thousand small requests per second (HTTP and JSON cost more "
-        "than a short GPU forward), so a fast GPU needs several; on CPU keep 1 (the processes split the "
-        "cores). Metrics are summed over the processes.",
+        "HTTP gateway processes. 1 (the default) serves everything in one process. N >= 2 starts N "
+        "gateways sharing the port (HTTP, JSON, tokenising) in front of one engine process that holds "
+        "the models and their queues, so inputs from every gateway still coalesce into the same "
+        "batches. One event loop tops out near a thousand small requests per second per core, so a fast "
+        "GPU needs several gateways; on a small CPU keep 1 (the processes take cores from the model). "
+        "One scrape of any gateway reports the whole replica.",
         default=1,
+    )
+    runner_factory: str | None = _knob(
+        "MODULE:CALLABLE that builds each model's runner from its spec, instead of loading it (tests "
+        "and benchmarks: e.g. coalesce.loadtests.nullmodel:factory serves a forward that costs nothing).",
+        default=None,
+    )
+    role: str = _knob(
+        "all (one process), or, set by the --workers supervisor for its children: engine or gateway. "
+        "Not for direct use.",
+        default="all",
+    )
+    engine_dir: str | None = _knob(
+        "Private directory of the engine's sockets (set by the --workers supervisor).", default=None
+    )
+    worker_id: int = _knob(
+        "Which gateway this process is, 0..N-1 (set by the --workers supervisor; logged on every line).",
+        default=0,
     )
     reuse_port: bool = _knob(
         "Listen with SO_REUSEPORT and only once the models are ready, so that several processes share "
@@ -353,6 +372,10 @@ def _validate(s: Settings) -> None:
         problems.append("pipeline_depth must be 0..4")
     if not 1 <= s.workers <= 64:
         problems.append("workers must be 1..64")
+    if s.role not in ("all", "engine", "gateway"):
+        problems.append("role must be all, engine or gateway")
+    if s.runner_factory is not None and ":" not in s.runner_factory:
+        problems.append("runner_factory must be MODULE:CALLABLE")
     if not 0 < s.port < 65536:
         problems.append("port must be 1..65535")
     if s.log_format not in ("json", "console"):

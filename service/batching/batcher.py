@@ -1,9 +1,11 @@
 """The batcher: the asyncio shell around one model's :class:`Scheduler`.
 
-Handlers call :meth:`Batcher.submit` and await the futures it returns. The scheduler decides (admission,
-order, batch size, shedding); the batcher's task is the single owner of the scheduler, wakes on events
-(never polls), hands batches to the engine, and resolves every future on every path: result, runner
-error (exactly that batch's items), expiry, shedding, cancellation by the caller, or shutdown.
+Callers :meth:`Batcher.submit` a request and await the one future it returns. The scheduler decides
+(admission, order, batch size, shedding); the batcher's task is the single owner of the scheduler, wakes
+on events (never polls), hands batches to the engine, and resolves every request's future on every
+path: result, runner error (exactly the requests in that batch), expiry, shedding, cancellation by the
+caller, or shutdown. A request is the scheduler's flow: its inputs are fairly interleaved with other
+requests' rather than queued as one block.
 
 Everything here runs on the event loop; the model runs on the worker's threads.
 """
@@ -41,18 +43,50 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class ItemResult:
-    """What one input's caller gets: its row and the timings of the batch it rode in."""
+class RequestResult:
+    """What one request's caller gets: a row per input, in order, and the timings of its batches."""
 
-    row: np.ndarray
-    queue_s: float
-    forward_s: float
+    rows: np.ndarray  # (inputs, width) float32
+    queue_s: float  # the longest any of its inputs waited for a batch
+    forward_s: float  # the longest forward among the batches its inputs rode in
 
 
-@dataclass(frozen=True, slots=True)
-class _Payload:
-    ids: Sequence[int]
-    future: asyncio.Future[ItemResult]
+class _Job:
+    """One request's inputs in flight: the caller's future and the rows gathered so far.
+
+    The future resolves once: when the last row arrives, or at the first failure. A failed or
+    cancelled job's inputs still waiting are swept from the queue, never computed.
+    """
+
+    __slots__ = ("forward_s", "future", "left", "queue_s", "rows", "size")
+
+    def __init__(self, future: asyncio.Future[RequestResult], size: int) -> None:
+        self.future = future
+        self.size = size
+        self.left = size
+        self.queue_s = 0.0
+        self.forward_s = 0.0
+        self.rows: np.ndarray | None = None
+
+    def put(self, index: int, batch_rows: np.ndarray, row: int, queue_s: float, forward_s: float) -> None:
+        """Input ``index`` of the request came out as ``batch_rows[row]``."""
+        if self.future.done():
+            return
+        if self.size == 1:
+            self.rows = batch_rows[row : row + 1]  # the common one-input request: a view, no copy
+        else:
+            if self.rows is None:
+                self.rows = np.empty((self.size, batch_rows.shape[1]), dtype=np.float32)
+            self.rows[index] = batch_rows[row]
+        self.queue_s = max(self.queue_s, queue_s)
+        self.forward_s = max(self.forward_s, forward_s)
+        self.left -= 1
+        if self.left == 0:
+            self.future.set_result(RequestResult(self.rows, self.queue_s, self.forward_s))
+
+    def fail(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
 
 
 class Batcher:
@@ -71,7 +105,7 @@ class Batcher:
         self._idle.set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        self._cancelled = 0  # futures cancelled by their callers since the last sweep
+        self._sweep = False  # a job ended early (failed, cancelled): its waiting inputs must go
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._tenant_series: set[str] = set()  # tenants with a coalesce_tenant_queued_tokens series
@@ -107,23 +141,19 @@ class Batcher:
             await self._task
 
     # -- admission -----------------------------------------------------------------------------------
+    def check_room(self, tenant: str = DEFAULT_TENANT) -> None:
+        """Refuse at once, before any tokenising, when the queue (or ``tenant``'s share of it) is full
+        or the server is draining: a flood costs no CPU beyond this check."""
+        self._refuse_if_closing()
+        refusal = self.scheduler.check_room(tenant, 1, time.monotonic())
+        if refusal is not None:
+            self._metrics.rejected.labels(self.model, refusal.reason).inc()
+            raise _refusal_error(refusal, self.model)
+
     def _refuse_if_closing(self) -> None:
         if self._closing:
             raise Unavailable(
                 "The server is draining; retry on another replica.", retry_after=1, code="draining"
-            )
-
-    def ensure_room(self) -> None:
-        """Refuse at once, before tokenising, when the queue is already at its bound (a flood)."""
-        self._refuse_if_closing()
-        sched = self.scheduler
-        if sched.queued_tokens >= sched.config.max_queued_tokens:
-            self._metrics.rejected.labels(self.model, "queue_full").inc()
-            raise Overloaded(
-                f"Model '{self.model}': {sched.queued_tokens} tokens are waiting (bound "
-                f"{sched.config.max_queued_tokens}); retry later.",
-                retry_after=sched.drain_s(time.monotonic()),
-                code="queue_full",
             )
 
     def submit(
@@ -134,10 +164,11 @@ class Batcher:
         weight: float = 1.0,
         priority: int = 1,
         deadline: float | None = None,
-    ) -> list[asyncio.Future[ItemResult]]:
-        """Admit one request's inputs (complete id sequences) or raise why not, before any work is done.
+    ) -> asyncio.Future[RequestResult]:
+        """Admit one request's inputs (complete id sequences), or raise why not before any work is done.
 
-        ``deadline`` is on the ``time.monotonic()`` clock.
+        The future resolves with every input's row, or with the first failure; cancelling it drops the
+        inputs still waiting. ``deadline`` is on the ``time.monotonic()`` clock.
         """
         self._refuse_if_closing()
         now = time.monotonic()
@@ -145,24 +176,20 @@ class Batcher:
         if refusal is not None:
             self._metrics.rejected.labels(self.model, refusal.reason).inc()
             raise _refusal_error(refusal, self.model)
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[ItemResult]] = []
-        entries = []
-        for ids in seqs:
-            fut: asyncio.Future[ItemResult] = loop.create_future()
-            fut.add_done_callback(self._on_future_done)
-            futures.append(fut)
-            entries.append(
-                Entry(len(ids), now, tenant, weight, priority, deadline, payload=_Payload(ids, fut))
-            )
-        self.scheduler.add(entries)
+        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        job = _Job(future, len(seqs))
+        future.add_done_callback(self._on_job_done)
+        self.scheduler.add(
+            Entry(len(ids), now, tenant, weight, priority, deadline, payload=(job, i, ids), flow=job)
+            for i, ids in enumerate(seqs)
+        )
         self._idle.clear()
         self._wake.set()
-        return futures
+        return future
 
-    def _on_future_done(self, fut: asyncio.Future[ItemResult]) -> None:
-        if fut.cancelled():
-            self._cancelled += 1
+    def _on_job_done(self, fut: asyncio.Future[RequestResult]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self._sweep = True
             self._wake.set()
 
     # -- the owner task ------------------------------------------------------------------------------
@@ -182,9 +209,9 @@ class Batcher:
 
     def _step(self) -> None:
         sched = self.scheduler
-        if self._cancelled:
-            self._cancelled = 0
-            gone = sched.remove(lambda e: e.payload.future.done())
+        if self._sweep:
+            self._sweep = False
+            gone = sched.remove(lambda e: e.payload[0].future.done())
             if gone:
                 self._metrics.rejected.labels(self.model, "cancelled").inc(len(gone))
         while True:
@@ -249,16 +276,14 @@ class Batcher:
     @staticmethod
     def _answer(entries: Sequence[Entry], err: CoalesceError) -> None:
         for e in entries:
-            if not e.payload.future.done():
-                e.payload.future.set_exception(err)
+            e.payload[0].fail(err)
 
     async def _run_batch(self, batch: list[Entry], padded: int) -> None:
         m, model = self._series, self.model
         start = time.monotonic()
-        lengths = [e.n_tokens for e in batch]
         seconds: float | None = None
         try:
-            out = await self._engine.run([e.payload.ids for e in batch])
+            out = await self._engine.run([e.payload[2] for e in batch])
         except Exception as exc:  # the runner's failure reaches exactly this batch
             m.batch_failures.inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
@@ -270,10 +295,11 @@ class Batcher:
             )
         else:
             seconds = out.forward_s
-            for e, row in zip(batch, out.rows, strict=True):
-                if not e.payload.future.done():
-                    e.payload.future.set_result(ItemResult(row, start - e.arrival, out.forward_s))
-            self._record(batch, lengths, padded, start, out)
+            rows = out.rows
+            for k, e in enumerate(batch):
+                job, index, _ = e.payload
+                job.put(index, rows, k, start - e.arrival, seconds)
+            self._record(batch, padded, start, out)
         finally:
             self.scheduler.done(padded, seconds, time.monotonic())
             coef = self.scheduler.cost.coef
@@ -281,25 +307,25 @@ class Batcher:
             m.cost_per_token.set(coef.per_token_s)
             self._wake.set()
 
-    def _record(self, batch: list[Entry], lengths: list[int], padded: int, start: float, out: Output) -> None:
-        m, model = self._series, self.model
-        ratio = padding_ratio(lengths, padded)
+    def _record(self, batch: list[Entry], padded: int, start: float, out: Output) -> None:
+        m = self._series
+        tokens = sum(e.n_tokens for e in batch)
         m.batches.inc()
         m.inputs.inc(len(batch))
-        m.tokens.inc(sum(lengths))
+        m.tokens.inc(tokens)
         m.batch_size.observe(len(batch))
         m.batch_tokens.observe(padded)
-        m.padding_ratio.observe(ratio)
+        m.padding_ratio.observe(padding_ratio([e.n_tokens for e in batch], padded))
         m.forward_seconds.observe(out.forward_s)
+        waits = m.queue_wait
         for e in batch:
-            m.queue_wait.observe(start - e.arrival)
+            waits[e.priority].observe(start - e.arrival)
         log.debug(
             "batch",
-            model=model,
+            model=self.model,
             size=len(batch),
-            tokens=sum(lengths),
+            tokens=tokens,
             padded_tokens=padded,
-            padding=round(ratio, 3),
             queue_ms=round((start - min(e.arrival for e in batch)) * 1e3, 2),
             prepare_ms=round(out.prepare_s * 1e3, 2),
             forward_ms=round(out.forward_s * 1e3, 2),

@@ -58,6 +58,7 @@ class Entry:
     priority: int = 1
     deadline: float | None = None
     payload: Any = None
+    flow: Any = None  # the request it belongs to
     taken: bool = field(default=False, repr=False)
 
 
@@ -109,6 +110,26 @@ class Scheduler:
         self._seq = itertools.count()
 
     # -- admission -----------------------------------------------------------------------------------
+    def check_room(self, tenant: str, tokens: int, now: float) -> Refusal | None:
+        """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not."""
+        cfg = self.config
+        if self.queued_tokens + tokens > cfg.max_queued_tokens:
+            return Refusal(
+                "queue_full",
+                f"{self.queued_tokens} tokens are waiting (bound {cfg.max_queued_tokens}); retry later.",
+                self.drain_s(now),
+            )
+        t = self._tenants.get(tenant)
+        held = t.queued_tokens if t is not None else 0
+        if tenant != DEFAULT_TENANT and held + tokens > cfg.tenant_max_queued_tokens:
+            return Refusal(
+                "tenant_queue_full",
+                f"Tenant '{tenant}' has {held} tokens waiting (bound "
+                f"{cfg.tenant_max_queued_tokens}); retry later.",
+                self.drain_s(now),
+            )
+        return None
+
     def admit(self, tokens: Iterable[int], tenant: str, deadline: float | None, now: float) -> Refusal | None:
         """None if a request of these inputs may queue now; else why not."""
         lengths = list(tokens)
@@ -121,21 +142,9 @@ class Scheduler:
                 f"({cfg.max_queued_tokens}); split it.",
                 0.0,
             )
-        if self.queued_tokens + total > cfg.max_queued_tokens:
-            return Refusal(
-                "queue_full",
-                f"{self.queued_tokens} tokens are waiting (bound {cfg.max_queued_tokens}); retry later.",
-                self.drain_s(now),
-            )
-        t = self._tenants.get(tenant)
-        held = t.queued_tokens if t is not None else 0
-        if tenant != DEFAULT_TENANT and held + total > cfg.tenant_max_queued_tokens:
-            return Refusal(
-                "tenant_queue_full",
-                f"Tenant '{tenant}' has {held} tokens waiting (bound "
-                f"{cfg.tenant_max_queued_tokens}); retry later.",
-                self.drain_s(now),
-            )
+        refusal = self.check_room(tenant, total, now)
+        if refusal is not None:
+            return refusal
         if deadline is not None:
             longest = max(lengths)
             finish = now + self.drain_s(now) + self.cost.predict(self.padded_cost(len(lengths), longest))

@@ -12,13 +12,13 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import structlog
 from aiohttp import web
-from coalesce.kernels.worker import DeviceThread
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..engine.core import RunnerFactory, default_factory
 from ..errors import (
     CoalesceError,
     InvalidRequest,
@@ -29,21 +29,18 @@ from ..errors import (
 )
 from ..logs import get_logger
 from ..metrics import Metrics
-from ..schemas import ModelCard, ModelList, encoder
+from ..schemas import ModelCard, ModelList
 from ..settings import Settings
 from . import classify, rerank, tei
-from .admission import KEYS, KeyRing, authenticate
+from .auth import KEYS, KeyRing, authenticate
 from .embeddings import create_embeddings
-from .models import ModelRegistry, RunnerFactory, load_models
-from .state import LIFECYCLE, METRICS, MODELS, SETTINGS, Handler, Lifecycle, Phase
+from .facade import BACKEND, LocalBackend
+from .models import MODELS, ModelRegistry
+from .remote import RemoteBackend
+from .responses import json_response
+from .state import LIFECYCLE, METRICS, SETTINGS, Handler, Lifecycle, Phase
 
 log = get_logger("coalesce.gateway")
-
-
-def json_response(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=encoder.encode(body), status=status, content_type="application/json", headers=headers
-    )
 
 
 def error_response(err: CoalesceError) -> web.Response:
@@ -130,16 +127,8 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    _record_capture(request.app)
+    request.app[BACKEND].record()
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _record_capture(app: web.Application) -> None:
-    """Graph runners' capture statistics into the gauges (at start-up and at each scrape)."""
-    for served in app[MODELS].models:
-        stats = getattr(served.runner, "capture_stats", None)
-        if stats is not None:
-            app[METRICS].record_capture(served.info.name, stats)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -149,17 +138,24 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) -> web.Application:
-    """The application for ``settings``. ``runner_factory`` replaces model loading (tests pass fakes)."""
+    """The application for ``settings``: in one process (the engine in it), or as one of ``--workers``
+    gateways in front of the engine process. ``runner_factory`` replaces model loading (tests)."""
     metrics = Metrics()
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate]
     )
+    registry = ModelRegistry()
+    life = Lifecycle(metrics)
     app[SETTINGS] = settings
     app[METRICS] = metrics
-    app[MODELS] = ModelRegistry()
-    app[LIFECYCLE] = Lifecycle(metrics)
+    app[MODELS] = registry
+    app[LIFECYCLE] = life
     app[KEYS] = KeyRing.load(settings.api_keys_file) if settings.api_keys_file else None
-    app.cleanup_ctx.append(_model_context(runner_factory or _default_factory(settings)))
+    if settings.role == "gateway":
+        app[BACKEND] = RemoteBackend(settings, metrics, registry, life)
+    else:
+        app[BACKEND] = LocalBackend(settings, metrics, registry, runner_factory or default_factory(settings))
+    app.cleanup_ctx.append(_models)
     app.router.add_post("/v1/embeddings", create_embeddings)
     app.router.add_post("/embeddings", create_embeddings)
     app.router.add_get("/v1/models", list_models)
@@ -173,41 +169,23 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     return app
 
 
-def _default_factory(settings: Settings) -> RunnerFactory:
-    from coalesce.kernels.buckets import GraphOptions
-    from coalesce.kernels.loader import RunnerOptions, load_runner
-
-    graphs = GraphOptions(
-        enabled=settings.cuda_graphs,
-        batch_sizes=settings.graph_batch_sizes,
-        seq_lens=settings.graph_seq_lens,
-        budget_s=settings.graph_capture_budget_s,
-        budget_bytes=settings.graph_memory_budget_mb << 20,
-    )
-    options = RunnerOptions(device=settings.device, dtype=settings.dtype, graphs=graphs)
-    return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
+async def _models(app: web.Application) -> AsyncIterator[None]:
+    """Bring the models up in the background (the listener answers /health at once); on the way out,
+    let admitted work finish, then answer what is left and stop."""
+    loading = asyncio.get_running_loop().create_task(_start(app))
+    yield
+    if not loading.done():
+        loading.cancel()
+    backend = app[BACKEND]
+    await backend.drain(app[SETTINGS].drain_timeout_s)
+    await backend.close()
+    app[MODELS].close()
 
 
-def _model_context(factory: RunnerFactory) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def context(app: web.Application) -> AsyncIterator[None]:
-        device = DeviceThread()
-        loading = asyncio.get_running_loop().create_task(_load(app, device, factory))
-        yield
-        if not loading.done():
-            loading.cancel()
-        await drain(app)
-        for served in app[MODELS].models:
-            await served.batcher.close()
-            served.worker.close()
-        await asyncio.get_running_loop().run_in_executor(None, device.close)
-
-    return context
-
-
-async def _load(app: web.Application, device: DeviceThread, factory: RunnerFactory) -> None:
+async def _start(app: web.Application) -> None:
     life = app[LIFECYCLE]
     try:
-        await load_models(app[SETTINGS], app[MODELS], app[METRICS], device, factory)
+        await app[BACKEND].start()
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -215,7 +193,7 @@ async def _load(app: web.Application, device: DeviceThread, factory: RunnerFacto
         log.exception("model_load_failed")
         return
     app[METRICS].startup_seconds.labels("ready").set(time.monotonic() - life.started)
-    _record_capture(app)
+    app[BACKEND].record()
     if life.phase is Phase.STARTING:
         life.set(Phase.READY)
         log.info("ready", models=app[MODELS].names(), seconds=round(time.monotonic() - life.started, 3))
@@ -223,6 +201,4 @@ async def _load(app: web.Application, device: DeviceThread, factory: RunnerFacto
 
 async def drain(app: web.Application) -> bool:
     """Let every admitted request finish within the drain timeout; True if all did."""
-    timeout = app[SETTINGS].drain_timeout_s
-    results = await asyncio.gather(*(m.batcher.drain(timeout) for m in app[MODELS].models))
-    return all(results)
+    return await app[BACKEND].drain(app[SETTINGS].drain_timeout_s)

@@ -21,11 +21,13 @@ from coalesce.kernels.protocol import Task
 
 from ..errors import InvalidRequest
 from ..schemas import ClassifyRequest, ClassifyResponse, Prediction, PredictRequest, Usage, decode
-from .admission import submit_and_wait
-from .embeddings import encode_inputs, parse_inputs
-from .models import ServedModel
+from .admission import Admission, admission
+from .embeddings import encode_inputs
+from .facade import ServedModel
+from .inputs import checked_items, encode_pairs, encode_texts, truncating
+from .models import pick_model
+from .responses import activate, ranked, respond
 from .state import SETTINGS
-from .tasks import activate, checked_items, encode_pairs, encode_texts, pick_model, ranked, respond
 
 # Cosine similarities of one input to its labels sit close together (say 0.1..0.6); the softmax scale
 # sentence-transformers trains with (MultipleNegativesRankingLoss, 20) spreads them into a usable
@@ -72,60 +74,62 @@ def _check_labels(labels: Sequence[str], max_inputs: int) -> list[str]:
 
 async def classify(request: web.Request) -> web.Response:
     """``POST /classify`` (and ``/v1/classify``): Infinity's shape, zero-shot when ``labels`` is given."""
+    adm = admission(request)
     req = decode(await request.read(), ClassifyRequest)
     settings = request.app[SETTINGS]
     accepts = (Task.EMBED,) if req.labels is not None and req.model is None else (Task.CLASSIFY, Task.EMBED)
-    served = pick_model(request, req.model, accepts, "/classify")
-    texts, arrays = parse_inputs(req.input, settings.max_inputs)
-    if served.info.task is Task.EMBED:
+    model = pick_model(request, req.model, accepts, "/classify")
+    if model.info.task is Task.EMBED:
         if req.labels is None:
             raise InvalidRequest(
-                f"Model '{served.info.name}' is an embedding model: pass 'labels' to classify zero-shot "
+                f"Model '{model.info.name}' is an embedding model: pass 'labels' to classify zero-shot "
                 "against them, or name a classifier model.",
                 param="labels",
                 code="missing_labels",
             )
         labels = _check_labels(req.labels, settings.max_inputs)
-        seqs = await encode_inputs(request, served, texts, arrays)
-        return await _zero_shot(request, served, seqs, labels, req.raw_scores)
+        seqs = await encode_inputs(request, model, adm, req.input)
+        return await _zero_shot(request, model, adm, seqs, labels, req.raw_scores)
     if req.labels is not None:
         raise InvalidRequest(
-            f"Model '{served.info.name}' is a classifier with its own labels "
-            f"({', '.join(served.info.labels)}); "
+            f"Model '{model.info.name}' is a classifier with its own labels "
+            f"({', '.join(model.info.labels)}); "
             "'labels' is for zero-shot classification with an embedding model.",
             param="labels",
             code="unexpected_labels",
         )
-    seqs = await encode_inputs(request, served, texts, arrays)
-    results = await submit_and_wait(request, served, seqs)
-    logits = np.stack([r.row for r in results])
-    scores = logits if req.raw_scores else activate(logits, served.info.activation)
+    seqs = await encode_inputs(request, model, adm, req.input)
+    result = await model.infer(seqs, adm)
+    scores = result.rows if req.raw_scores else activate(result.rows, model.info.activation)
     tokens = sum(len(s) for s in seqs)
     body = ClassifyResponse(
-        data=[ranked(row, served.info.labels) for row in scores],
-        model=served.info.name,
+        data=[ranked(row, model.info.labels) for row in scores],
+        model=model.info.name,
         usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
     )
-    return respond(body, results, tokens)
+    return respond(body, result, tokens)
 
 
 async def _zero_shot(
-    request: web.Request, served: ServedModel, seqs: list[list[int]], labels: list[str], raw_scores: bool
+    request: web.Request,
+    model: ServedModel,
+    adm: Admission,
+    seqs: list[list[int]],
+    labels: list[str],
+    raw_scores: bool,
 ) -> web.Response:
-    """Score inputs against label embeddings; labels not cached yet ride in the same submission."""
+    """Score inputs against label embeddings; labels not cached yet ride in the same request."""
     cache = request.app[LABELS]
-    name = served.info.name
+    name = model.info.name
     known = {label: row for label in labels if (row := cache.get(name, label)) is not None}
     missing = [label for label in labels if label not in known]
-    label_seqs = (
-        await encode_texts(request, served, missing, truncate=True, field="labels") if missing else []
-    )
-    results = await submit_and_wait(request, served, [*seqs, *label_seqs])
-    for label, r in zip(missing, results[len(seqs) :], strict=True):
-        known[label] = _unit(r.row)
+    label_seqs = await encode_texts(model, adm, missing, cut=True, field="labels") if missing else []
+    result = await model.infer([*seqs, *label_seqs], adm)
+    for label, row in zip(missing, result.rows[len(seqs) :], strict=True):
+        known[label] = _unit(row)
         cache.put(name, label, known[label])
     label_rows = np.stack([known[label] for label in labels])
-    inputs = _unit(np.stack([r.row for r in results[: len(seqs)]]))
+    inputs = _unit(result.rows[: len(seqs)])
     cosines = inputs @ label_rows.T
     scores = cosines if raw_scores else activate(cosines * ZERO_SHOT_SCALE, "softmax")
     tokens = sum(len(s) for s in seqs) + sum(len(s) for s in label_seqs)
@@ -134,7 +138,7 @@ async def _zero_shot(
         model=name,
         usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
     )
-    return respond(body, results, tokens)
+    return respond(body, result, tokens)
 
 
 def _predict_items(raw: str | list[str | list[str]]) -> tuple[list[str | tuple[str, str]], bool]:
@@ -167,12 +171,14 @@ def _predict_items(raw: str | list[str | list[str]]) -> tuple[list[str | tuple[s
 
 async def predict(request: web.Request) -> web.Response:
     """``POST /predict``: TEI's classification shape; texts and pairs may be mixed in one batch."""
+    adm = admission(request)
     req = decode(await request.read(), PredictRequest)
-    served = pick_model(request, req.model, (Task.CLASSIFY, Task.RERANK), "/predict")
+    model = pick_model(request, req.model, (Task.CLASSIFY, Task.RERANK), "/predict")
     items, batch = _predict_items(req.inputs)
-    if len(items) > request.app[SETTINGS].max_inputs:
+    max_inputs = request.app[SETTINGS].max_inputs
+    if len(items) > max_inputs:
         raise InvalidRequest(
-            f"'inputs' has {len(items)} items; at most {request.app[SETTINGS].max_inputs} are allowed.",
+            f"'inputs' has {len(items)} items; at most {max_inputs} are allowed.",
             param="inputs",
             code="too_many_inputs",
         )
@@ -181,36 +187,26 @@ async def predict(request: web.Request) -> web.Response:
             raise InvalidRequest(
                 "Inputs must not be empty strings.", param=f"inputs[{i}]", code="empty_input"
             )
+    cut = truncating(request, req.truncate)
     singles = [(i, item) for i, item in enumerate(items) if isinstance(item, str)]
     pairs = [(i, item) for i, item in enumerate(items) if isinstance(item, tuple)]
     seqs: list[list[int]] = [[] for _ in items]
     if singles:
         encoded = await encode_texts(
-            request,
-            served,
-            [t for _, t in singles],
-            truncate=req.truncate,
-            field="inputs",
-            positions=[i for i, _ in singles],
+            model, adm, [t for _, t in singles], cut=cut, field="inputs", positions=[i for i, _ in singles]
         )
         for (i, _), seq in zip(singles, encoded, strict=True):
             seqs[i] = seq
     if pairs:
         encoded_pairs = await encode_pairs(
-            request,
-            served,
-            [p for _, p in pairs],
-            truncate=req.truncate,
-            field="inputs",
-            positions=[i for i, _ in pairs],
+            model, adm, [p for _, p in pairs], cut=cut, field="inputs", positions=[i for i, _ in pairs]
         )
         for (i, _), pair_seq in zip(pairs, encoded_pairs, strict=True):
             seqs[i] = pair_seq
-    results = await submit_and_wait(request, served, seqs)
-    logits = np.stack([r.row for r in results])
-    scores = logits if req.raw_scores else activate(logits, served.info.activation)
-    preds: list[list[Prediction]] = [ranked(row, served.info.labels) for row in scores]
-    return respond(preds if batch else preds[0], results, sum(len(s) for s in seqs))
+    result = await model.infer(seqs, adm)
+    scores = result.rows if req.raw_scores else activate(result.rows, model.info.activation)
+    preds: list[list[Prediction]] = [ranked(row, model.info.labels) for row in scores]
+    return respond(preds if batch else preds[0], result, sum(len(s) for s in seqs))
 
 
 def add_routes(app: web.Application) -> None:

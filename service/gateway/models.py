@@ -1,40 +1,23 @@
-"""The served models: each one's runner, worker threads and batcher, looked up by name.
+"""The served models by name, and how a route picks the one it needs.
 
-Loading runs on a background thread so the listener is up at once: ``/health`` answers while weights
-load, ``/ready`` turns 200 only after every model is loaded and warmed.
+Every route resolves its model here, so calling a model with the wrong task (``/rerank`` on an
+embedding model, ``/embed`` on a classifier) is a 400 that says which models serve what, never a 500
+or a silent wrong answer. TEI's request shapes carry no ``model``: they get the first served model of
+the right task (``--model`` order).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from coalesce.kernels.protocol import ModelInfo, Runner
-from coalesce.kernels.worker import DeviceThread, ModelWorker
+from aiohttp import web
+from coalesce.kernels.protocol import Task
 
-from ..batching.batcher import Batcher
-from ..batching.cost import CostModel
-from ..batching.policy import Limits
-from ..batching.scheduler import Scheduler, SchedulerConfig
 from ..errors import InvalidRequest, ModelNotFound
-from ..logs import get_logger
-from ..metrics import Metrics
-from ..settings import ModelSpec, Settings
+from .facade import ServedModel
+from .state import require_ready
 
-log = get_logger("coalesce.models")
-
-RunnerFactory = Callable[[ModelSpec], Runner]
-
-
-@dataclass(slots=True)
-class ServedModel:
-    info: ModelInfo
-    runner: Runner
-    worker: ModelWorker
-    batcher: Batcher
-    specials: int  # special tokens the runner adds to every input
+_KIND = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classification", Task.RERANK: "a reranking"}
 
 
 class ModelRegistry:
@@ -67,89 +50,45 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return [m.info.name for m in self.models]
 
+    def catalog(self) -> str:
+        """``name (task), ...`` for every served model, for error messages."""
+        return ", ".join(f"{m.info.name} ({m.info.task})" for m in self.models)
 
-async def load_models(
-    settings: Settings,
-    registry: ModelRegistry,
-    metrics: Metrics,
-    device: DeviceThread,
-    factory: RunnerFactory,
-) -> None:
-    """Load, warm and calibrate every model, then register it. Raises if any model fails to load."""
-    loop = asyncio.get_running_loop()
-    for spec in settings.model_specs:
-        t0 = time.perf_counter()
-        runner = await loop.run_in_executor(device.executor, factory, spec)
-        t1 = time.perf_counter()
-        worker = ModelWorker(runner, device)
-        await worker.warmup()
-        cost = CostModel()
-        await _calibrate(worker, runner, cost)
-        t2 = time.perf_counter()
-        depth = settings.pipeline_depth or (
-            2 if str(getattr(runner, "device", "cpu")).startswith("cuda") else 1
+    def close(self) -> None:
+        for served in self.models:
+            served.close()
+
+
+MODELS = web.AppKey("models", ModelRegistry)
+
+
+def pick_model(
+    request: web.Request, name: str | None, accepts: Sequence[Task], route: str, *, required: bool = False
+) -> ServedModel:
+    """The model ``name`` (or, when None and not ``required``, the first served one of an accepted
+    task), checked to serve one of ``accepts``. Raises 503 before the models are ready, 404 for an
+    unknown name, 400 otherwise."""
+    require_ready(request)
+    registry = request.app[MODELS]
+    if name is None and not required:
+        for served in registry.models:
+            if served.info.task in accepts:
+                return served
+        raise InvalidRequest(
+            f"{route} needs {_wanted(accepts)} model and this server serves none: {registry.catalog()}.",
+            param="model",
+            code="no_model_for_task",
         )
-        scheduler = Scheduler(
-            scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
+    served = registry.get(name)
+    if served.info.task not in accepts:
+        raise InvalidRequest(
+            f"Model '{served.info.name}' is {_KIND[served.info.task]} model; {route} needs "
+            f"{_wanted(accepts)} model. This server serves: {registry.catalog()}.",
+            param="model",
+            code="wrong_task",
         )
-        batcher = Batcher(
-            worker,
-            model=runner.info.name,
-            scheduler=scheduler,
-            metrics=metrics,
-        )
-        batcher.start()
-        registry.add(ServedModel(runner.info, runner, worker, batcher, len(runner.with_special_tokens([]))))
-        metrics.startup_seconds.labels(f"load:{runner.info.name}").set(t1 - t0)
-        metrics.startup_seconds.labels(f"warmup:{runner.info.name}").set(t2 - t1)
-        log.info(
-            "model_ready",
-            model=runner.info.name,
-            task=str(runner.info.task),
-            dim=runner.info.dim,
-            max_tokens=runner.info.max_tokens,
-            load_s=round(t1 - t0, 3),
-            warmup_s=round(t2 - t1, 3),
-            cost_overhead_ms=round(cost.coef.overhead_s * 1e3, 3),
-            cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
-        )
+    return served
 
 
-def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
-    """The batching knobs of ``settings`` for one model (whose longest input is ``max_tokens``)."""
-    strategy = settings.batching
-    wait_ms = (
-        settings.max_wait_ms if settings.max_wait_ms is not None else (5.0 if strategy == "fixed" else 0.0)
-    )
-    return SchedulerConfig(
-        strategy=strategy,  # type: ignore[arg-type]
-        limits=Limits(settings.max_batch_size, max(settings.max_batch_tokens, max_tokens)),
-        target_latency_s=settings.target_latency_ms / 1e3,
-        max_wait_s=wait_ms / 1e3,
-        max_queued_tokens=settings.max_queued_tokens,
-        tenant_max_queued_tokens=settings.tenant_max_queued_tokens or settings.max_queued_tokens // 2,
-        priority_aging_s=settings.priority_aging_ms / 1e3,
-        pipeline_depth=depth,
-    )
-
-
-async def _calibrate(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
-    """Seed the cost model with a small and a larger batch, so first decisions rest on measurements."""
-    filler = [min(1000, runner.info.vocab_size - 1)]
-    for n, length in ((1, 16), (8, 64)):
-        seq = runner.with_special_tokens(filler * length)
-        out = await worker.run([seq] * n)
-        cost.observe(runner.padded_cost(n, len(seq)), out.forward_s)
-
-
-def check_ids(ids: Sequence[int], vocab_size: int, index: int) -> None:
-    """Token ids must be in the model's own vocabulary (LangChain sends OpenAI's ids by default)."""
-    for tok in ids:
-        if tok < 0 or tok >= vocab_size:
-            raise InvalidRequest(
-                f"Token id {tok} in input {index} is outside this model's vocabulary (0..{vocab_size - 1}). "
-                "Token arrays must use the served model's tokenizer; LangChain's OpenAIEmbeddings "
-                "sends OpenAI's ids unless check_embedding_ctx_length=False, which makes it send text.",
-                param=f"input[{index}]",
-                code="invalid_token_id",
-            )
+def _wanted(accepts: Sequence[Task]) -> str:
+    return " or ".join(_KIND[t] for t in accepts)

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import uuid
 
-import numpy as np
 from aiohttp import web
 from coalesce.kernels.protocol import Task
 
 from ..errors import InvalidRequest
 from ..schemas import RerankDocument, RerankRequest, RerankResponse, RerankResult, TeiRank, Usage, decode
-from .admission import submit_and_wait
+from .admission import admission
+from .inputs import checked_items, encode_pairs, truncating
+from .models import pick_model
+from .responses import activate, respond
 from .state import SETTINGS
-from .tasks import activate, checked_items, encode_pairs, pick_model, respond
 
 
 async def rerank(request: web.Request) -> web.Response:
     """``POST /rerank`` (and ``/v1/rerank``), Cohere's shape or TEI's."""
+    adm = admission(request)
     req = decode(await request.read(), RerankRequest)
     if (req.documents is None) == (req.texts is None):
         raise InvalidRequest(
@@ -49,20 +51,19 @@ async def rerank(request: web.Request) -> web.Response:
         raise InvalidRequest(
             f"'top_n' must be at least 1; got {req.top_n}.", param="top_n", code="invalid_top_n"
         )
-    served = pick_model(request, req.model, (Task.RERANK,), "/rerank")
+    model = pick_model(request, req.model, (Task.RERANK,), "/rerank")
     seqs = await encode_pairs(
-        request, served, [(req.query, d) for d in docs], truncate=req.truncate, field=field
+        model, adm, [(req.query, d) for d in docs], cut=truncating(request, req.truncate), field=field
     )
-    results = await submit_and_wait(request, served, seqs)
-    logits = np.stack([r.row for r in results])
-    scores = (logits if req.raw_scores else activate(logits, served.info.activation))[:, 0]
+    result = await model.infer(seqs, adm)
+    scores = (result.rows if req.raw_scores else activate(result.rows, model.info.activation))[:, 0]
     order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[: req.top_n]
     tokens = sum(len(s) for s in seqs)
     if tei:
         ranks = [
             TeiRank(index=i, score=float(scores[i]), text=docs[i] if req.return_text else None) for i in order
         ]
-        return respond(ranks, results, tokens)
+        return respond(ranks, result, tokens)
     body = RerankResponse(
         id=uuid.uuid4().hex,
         results=[
@@ -73,10 +74,10 @@ async def rerank(request: web.Request) -> web.Response:
             )
             for i in order
         ],
-        model=served.info.name,
+        model=model.info.name,
         usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
     )
-    return respond(body, results, tokens)
+    return respond(body, result, tokens)
 
 
 def add_routes(app: web.Application) -> None:

@@ -4,6 +4,10 @@ Shutdown sequence: readiness turns 503 at once; the listener keeps accepting for
 (the platform is still removing this replica from its endpoints); then admitted work gets up to
 ``drain_timeout_s`` to finish; whatever is still waiting is answered 503; the listener closes and the
 process exits 0.
+
+A process whose models cannot be served exits 1 so the platform restarts it: at once when they never
+loaded; when a gateway loses its engine, it keeps answering 503 (``engine_unavailable``) until the
+supervisor, which has seen the engine die, stops it.
 """
 
 from __future__ import annotations
@@ -15,17 +19,18 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from ..engine.core import RunnerFactory
 from ..logs import get_logger
 from ..settings import Settings
 from .app import create_app, drain
-from .models import RunnerFactory
-from .state import LIFECYCLE, MODELS, Phase
+from .facade import BACKEND
+from .state import LIFECYCLE, Phase
 
 log = get_logger("coalesce.server")
 
 
 async def serve(settings: Settings, runner_factory: RunnerFactory | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (then drain; 0) or until a model fails to load (1).
+    """Serve until SIGTERM/SIGINT (then drain; 0), or until the models cannot be served (1).
 
     ``runner_factory`` replaces model loading (the gateway benchmark serves a null model)."""
     app = create_app(settings, runner_factory)
@@ -52,10 +57,15 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
         log.info("listening", host=settings.host, port=settings.port)
         await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
     if failing.done():
-        # Nothing can be served: exit non-zero so the platform restarts us and shows the error,
-        # rather than sit live but never ready.
+        if life.ready.is_set():
+            # Served, then lost its engine: answer 503 until told to stop (the supervisor is on it).
+            log.error("serving_failed", error=life.error)
+            await stopping
+        else:
+            # Nothing can be served: exit non-zero so the platform restarts us and shows the error,
+            # rather than sit live but never ready.
+            log.error("exiting", reason="model_load_failed", error=life.error)
         stopping.cancel()
-        log.error("exiting", reason="model_load_failed", error=life.error)
         await runner.cleanup()
         return 1
     failing.cancel()
@@ -71,8 +81,7 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), settings.shutdown_grace_s)
     finished = await drain(app)
-    for served in app[MODELS].models:
-        await served.batcher.close()  # answers anything left with 503
+    await app[BACKEND].close()  # answers anything left with 503
     log.info("drained", complete=finished)
     await runner.cleanup()
     log.info("stopped")
@@ -80,13 +89,22 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
 
 
 def run(settings: Settings, argv: Sequence[str] = (), runner_factory: RunnerFactory | None = None) -> int:
-    """Serve ``settings``; with ``workers`` > 1, supervise that many processes started from ``argv``."""
-    if settings.workers > 1:
+    """Serve ``settings``: one process, one of ``--workers``' processes (by ``role``), or, with
+    ``workers`` > 1 in the top process, the supervisor of those processes, started from ``argv``."""
+    if settings.role == "all" and settings.workers > 1:
         from .workers import supervise
 
         return supervise(settings, argv)
+    if settings.role == "engine":
+        from ..engine.server import serve_engine
+
+        return _run_loop(serve_engine(settings, runner_factory))
+    return _run_loop(serve(settings, runner_factory))
+
+
+def _run_loop(main: object) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(serve(settings, runner_factory))
-    return uvloop.run(serve(settings, runner_factory))
+        return asyncio.run(main)  # type: ignore[arg-type]
+    return uvloop.run(main)  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from aiohttp import web
 from ..errors import Unavailable
 from ..metrics import Metrics
 from ..settings import Settings
-from .models import ModelRegistry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -31,13 +30,15 @@ class Lifecycle:
         self.phase = Phase.STARTING
         self.started = time.monotonic()
         self.error: str | None = None
-        self.failed = asyncio.Event()  # set when a model fails to load: the process should exit
+        self.code = "load_failed"  # what a model route answers once FAILED
+        self.failed = asyncio.Event()  # set when the models cannot be served: the process should exit
         self.ready = asyncio.Event()  # set once every model is loaded and warmed
         self._metrics = metrics
 
-    def set(self, phase: Phase, error: str | None = None) -> None:
+    def set(self, phase: Phase, error: str | None = None, code: str = "load_failed") -> None:
         self.phase = phase
         self.error = error
+        self.code = code
         self._metrics.ready.set(1 if phase is Phase.READY else 0)
         if phase is Phase.FAILED:
             self.failed.set()
@@ -52,7 +53,6 @@ class Lifecycle:
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
-MODELS = web.AppKey("models", ModelRegistry)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 
 
@@ -60,5 +60,5 @@ def require_ready(request: web.Request) -> None:
     life = request.app[LIFECYCLE]
     if not life.serving:
         if life.phase is Phase.FAILED:
-            raise Unavailable(f"The model failed to load: {life.error}", retry_after=30, code="load_failed")
+            raise Unavailable(f"The models cannot be served: {life.error}", retry_after=30, code=life.code)
         raise Unavailable("The model is still loading; retry shortly.", retry_after=2, code="loading")

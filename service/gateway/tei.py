@@ -13,8 +13,8 @@ import asyncio
 
 import numpy as np
 from aiohttp import web
-from coalesce.kernels.hf_runners import token_spans
 from coalesce.kernels.protocol import Task
+from coalesce.kernels.tokens import TokenizerAdapter
 
 from ..errors import InvalidRequest
 from ..schemas import (
@@ -26,14 +26,15 @@ from ..schemas import (
     TeiInfo,
     TokenizeRequest,
     decode,
-    encoder,
 )
 from . import classify, rerank
-from .admission import submit_and_wait
+from .admission import admission
 from .embeddings import vector
-from .models import ServedModel
-from .state import MODELS, SETTINGS
-from .tasks import checked_items, encode_texts, pick_model, respond
+from .facade import ServedModel
+from .inputs import check_dimensions, checked_items, encode_texts, truncating
+from .models import MODELS, pick_model
+from .responses import json_response, respond
+from .state import SETTINGS
 
 _ALL_TASKS = tuple(Task)
 
@@ -50,8 +51,9 @@ def _version() -> str:
 async def embed(request: web.Request) -> web.Response:
     """``POST /embed``: ``{inputs, normalize, truncate, truncation_direction, dimensions}`` →
     ``[[float]]``."""
+    adm = admission(request)
     req = decode(await request.read(), TeiEmbedRequest)
-    served = pick_model(request, req.model, (Task.EMBED,), "/embed")
+    model = pick_model(request, req.model, (Task.EMBED,), "/embed")
     if req.prompt_name is not None:
         raise InvalidRequest(
             "This server applies no prompts; put the prompt in front of the text.",
@@ -65,30 +67,23 @@ async def embed(request: web.Request) -> web.Response:
             param="truncation_direction",
             code="invalid_value",
         )
-    dim = served.info.dim
-    if req.dimensions is not None and not 1 <= req.dimensions <= dim:
-        raise InvalidRequest(
-            f"'dimensions' must be between 1 and {dim} for model '{served.info.name}'; got {req.dimensions}.",
-            param="dimensions",
-            code="invalid_dimensions",
-        )
+    check_dimensions(req.dimensions, model.info)
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
     seqs = await encode_texts(
-        request, served, texts, truncate=req.truncate, field="inputs", left=direction == "left"
+        model, adm, texts, cut=truncating(request, req.truncate), field="inputs", left=direction == "left"
     )
-    results = await submit_and_wait(request, served, seqs)
+    result = await model.infer(seqs, adm)
     rows = []
-    for r in results:
-        row = r.row
+    for row in result.rows:
         if req.normalize:
-            if not served.info.normalized:
+            if not model.info.normalized:
                 norm = float(np.linalg.norm(row))
                 row = row / norm if norm > 0 else row
             row = vector(row, req.dimensions)  # a truncated unit vector is re-normalised
         elif req.dimensions is not None:
             row = row[: req.dimensions]
         rows.append(row.tolist())
-    return respond(rows, results, sum(len(s) for s in seqs))
+    return respond(rows, result, sum(len(s) for s in seqs))
 
 
 def _model_type(served: ServedModel) -> dict[str, EmbeddingModelType | ClassifierModelType]:
@@ -105,12 +100,12 @@ def _model_type(served: ServedModel) -> dict[str, EmbeddingModelType | Classifie
 async def info(request: web.Request) -> web.Response:
     """``GET /info[?model=NAME]``: TEI's description of one model (default: the first), plus every
     served model and its task under ``models``."""
-    served = pick_model(request, request.query.get("model"), _ALL_TASKS, "/info")
+    model = pick_model(request, request.query.get("model"), _ALL_TASKS, "/info")
     settings = request.app[SETTINGS]
     body = TeiInfo(
-        model_id=served.info.name,
-        model_type=_model_type(served),
-        max_input_length=served.info.max_tokens,
+        model_id=model.info.name,
+        model_type=_model_type(model),
+        max_input_length=model.info.max_tokens,
         max_batch_tokens=settings.max_batch_tokens,
         max_batch_requests=settings.max_batch_size,
         max_client_batch_size=settings.max_inputs,
@@ -118,19 +113,24 @@ async def info(request: web.Request) -> web.Response:
         version=_version(),
         models=[ServedTask(id=m.info.name, task=str(m.info.task)) for m in request.app[MODELS].models],
     )
-    return web.Response(body=encoder.encode(body), content_type="application/json")
+    return json_response(body)
 
 
 async def tokenize(request: web.Request) -> web.Response:
     """``POST /tokenize``: each input's tokens as ``{id, text, special, start, stop}`` (character offsets)."""
     req = decode(await request.read(), TokenizeRequest)
-    served = pick_model(request, req.model, _ALL_TASKS, "/tokenize")
+    model = pick_model(request, req.model, _ALL_TASKS, "/tokenize")
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
+    tokens = model.tokens
+    if not isinstance(tokens, TokenizerAdapter):
+        raise InvalidRequest(
+            f"Model '{model.info.name}' has no tokenizer offsets to show.", param="model", code="unsupported"
+        )
     spans = await asyncio.get_running_loop().run_in_executor(
-        None, token_spans, served.runner, texts, req.add_special_tokens
+        None, tokens.spans, texts, req.add_special_tokens
     )
     body = [[SimpleToken(s.id, s.text, s.special, s.start, s.stop) for s in row] for row in spans]
-    return web.Response(body=encoder.encode(body), content_type="application/json")
+    return json_response(body)
 
 
 async def root(request: web.Request) -> web.StreamResponse:

@@ -1,22 +1,27 @@
-"""``--workers N``: N server processes on one port, under a supervisor that owns their lifetime.
+"""``--workers N``: one engine process and N gateway processes on one port, under a supervisor.
 
 One asyncio process spends a few hundred microseconds of CPU on every small request (HTTP, JSON,
-admission, futures), so it tops out at a few thousand requests per second whatever the model costs; a
-GPU that embeds a short batch in a millisecond needs several. Each worker is a complete ``coalesce
-serve`` (its own models, batcher and device thread) started with ``--workers 1 --reuse-port``: the
-kernel spreads connections over the workers' listening sockets, and a worker listens only once its
-models are ready.
+tokenising, admission), so it tops out near a thousand requests per second per core whatever the model
+costs; a GPU that embeds a short batch in a millisecond needs several. But coalescing needs one queue
+per model. So the replica splits in two (the design of vLLM's API servers in front of one engine core):
 
-The supervisor (this process) starts the workers in their own sessions, forwards SIGTERM/SIGINT to each
-exactly once (each then drains as a single server does), and exits when all have exited: 0 if every
-worker stopped cleanly after a signal, else 1. A worker that exits on its own stops the others, so the
-platform sees the failure and restarts the replica rather than run it short of a worker.
+* **gateways** (``coalesce serve --role gateway --reuse-port``): HTTP, validation, tokenising,
+  admission headers, responses; no torch, no weights. The kernel spreads connections over their
+  listening sockets; a gateway listens only once the engine has welcomed it with the models;
+* **the engine** (``--role engine``): the models, their schedulers and cost models, the device thread.
+  Inputs from every gateway join the same queues, over ZeroMQ sockets in a private directory.
 
-Metrics: the workers share a Prometheus multiprocess directory, so ``/metrics`` on any worker reports
-the sum over all of them (queue depths and in-flight requests add up, ``coalesce_ready`` is 1 only when
-every live worker is ready); the per-tenant gauge is not exported (a series named by a client could
-never be removed from the shared files). Torch's CPU threads are split between workers unless
-``OMP_NUM_THREADS`` is set.
+The supervisor (this process) starts them in their own sessions and owns their lifetime:
+
+* SIGTERM/SIGINT goes once to each gateway (each drains as a single server does); once every gateway
+  has exited, the engine gets it and finishes whatever is left. Exit 0 if all stopped cleanly.
+* A process that exits on its own takes the replica down (exit 1), so the platform restarts it rather
+  than run it short: an engine that dies leaves its gateways answering 503 until they are stopped; a
+  gateway that dies has its queued work dropped by the engine at once.
+
+Metrics: every process writes to one Prometheus multiprocess directory, so ``/metrics`` on any gateway
+reports the replica: gateway series summed, the engine's queue, batch and forward series, and
+``coalesce_ready`` as the minimum over the live processes.
 """
 
 from __future__ import annotations
@@ -35,57 +40,74 @@ from ..settings import Settings
 log = get_logger("coalesce.workers")
 
 
-def worker_command(argv: Sequence[str]) -> list[str]:
-    """The command line of one worker: the supervisor's own ``serve`` arguments, made single-process
+def child_command(argv: Sequence[str], role: str, engine_dir: str, workers: int, index: int = 0) -> list[str]:
+    """The command line of one child: the supervisor's own ``serve`` arguments with its role added
     (later flags win in argparse, so these override whatever ``argv`` says)."""
-    return [sys.executable, "-m", "coalesce.service.cli", "serve", *argv, "--workers", "1", "--reuse-port"]
+    extra = ["--role", role, "--engine-dir", engine_dir, "--workers", str(workers), "--worker-id", str(index)]
+    if role == "gateway":
+        extra.append("--reuse-port")
+    return [sys.executable, "-m", "coalesce.service.cli", "serve", *argv, *extra]
 
 
 def supervise(settings: Settings, argv: Sequence[str]) -> int:
     from prometheus_client import multiprocess
 
-    with tempfile.TemporaryDirectory(prefix="coalesce-metrics-") as metrics_dir:
+    with tempfile.TemporaryDirectory(prefix="coalesce-") as runtime:
+        metrics_dir = os.path.join(runtime, "metrics")
+        engine_dir = os.path.join(runtime, "engine")
+        os.mkdir(metrics_dir, 0o700)
+        os.mkdir(engine_dir, 0o700)
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.workers)))
-        children: dict[int, subprocess.Popen[bytes]] = {}
         signalled = False
+        gateways: dict[int, subprocess.Popen[bytes]] = {}
+
+        def stop_gateways(signum: int) -> None:
+            for child in gateways.values():
+                if child.poll() is None:
+                    child.send_signal(signum)
 
         def forward(signum: int, frame: FrameType | None) -> None:
             nonlocal signalled
             signalled = True
-            for child in children.values():
-                if child.poll() is None:
-                    child.send_signal(signum)
+            stop_gateways(signum)  # the engine is told once they have drained
 
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
+        # Own sessions: a terminal's Ctrl-C reaches the supervisor alone, which forwards it once
+        # (a second signal would make a gateway skip its grace delay).
+        engine = subprocess.Popen(
+            child_command(argv, "engine", engine_dir, settings.workers), env=env, start_new_session=True
+        )
         for i in range(settings.workers):
-            # Own session: a terminal's Ctrl-C reaches the supervisor alone, which forwards it once
-            # (a second signal would make a worker skip its grace delay).
             child = subprocess.Popen(
-                worker_command(argv), env={**env, "COALESCE_WORKER_ID": str(i)}, start_new_session=True
+                child_command(argv, "gateway", engine_dir, settings.workers, i), env=env,
+                start_new_session=True,
             )
-            children[child.pid] = child
-        if signalled:  # a signal came while workers were starting: make sure each has it
-            forward(signal.SIGTERM, None)
-        log.info("workers_started", workers=settings.workers, pids=sorted(children))
+            gateways[child.pid] = child
+        if signalled:  # a signal came while children were starting: make sure each gateway has it
+            stop_gateways(signal.SIGTERM)
+        log.info("workers_started", engine=engine.pid, gateways=sorted(gateways))
 
         failed = False
-        alive = set(children)
+        engine_told = False
+        alive = {engine.pid, *gateways}
         while alive:
             pid, status = os.wait()  # returns after a signal handler has run, too (PEP 475)
             if pid not in alive:
                 continue
             alive.discard(pid)
             code = os.waitstatus_to_exitcode(status)
-            children[pid].returncode = code
+            role = "engine" if pid == engine.pid else "gateway"
             multiprocess.mark_process_dead(pid, metrics_dir)
             if code != 0 or not signalled:
                 failed = True
-                log.error("worker_exited", pid=pid, code=code, during="shutdown" if signalled else "serving")
+                log.error("worker_exited", role=role, pid=pid, code=code,
+                          during="shutdown" if signalled else "serving")
                 if not signalled:  # it died on its own: take the replica down so the platform restarts it
                     signalled = True
-                    for other in alive:
-                        children[other].send_signal(signal.SIGTERM)
+                    stop_gateways(signal.SIGTERM)
+            if engine.pid in alive and not (alive & gateways.keys()) and not engine_told:
+                engine_told = True
+                engine.send_signal(signal.SIGTERM)  # every gateway is gone: the engine's turn
         log.info("workers_stopped", failed=failed)
         return 1 if failed else 0

@@ -8,8 +8,9 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from coalesce.kernels.fake import FakeRunner
 from coalesce.service.settings import build
+
+from ..fakes import FakeRunner
 
 
 async def post(

@@ -14,11 +14,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from coalesce.kernels.fake import FakeRunner
 from coalesce.service.client import APIError, AsyncClient, Client
 from coalesce.service.settings import build
 
 from ..conftest import ServerThread
+from ..fakes import FakeRunner
 from .tiny_models import metric, shared_server, stop_shared_server
 
 EMBEDDER = "all-MiniLM-L6-v2"
@@ -129,6 +129,7 @@ class GatedFake(FakeRunner):
     entered: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.gate.set()
 
     def forward(self, prepared: list[list[int]]) -> list[list[int]]:

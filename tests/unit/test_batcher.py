@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from coalesce.kernels.fake import FakeRunner
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 from coalesce.service.batching.batcher import Batcher
 from coalesce.service.batching.cost import CostModel
@@ -15,6 +14,8 @@ from coalesce.service.batching.policy import Limits
 from coalesce.service.batching.scheduler import Scheduler, SchedulerConfig
 from coalesce.service.errors import InferenceFailed, Overloaded, Unavailable
 from coalesce.service.metrics import Metrics
+
+from ..fakes import FakeRunner
 
 
 class Rig:
@@ -32,8 +33,8 @@ class Rig:
         return [self.runner.with_special_tokens(ids) for ids in self.runner.tokenize(list(texts))]
 
     async def embed(self, *texts: str) -> list[np.ndarray]:
-        results = await asyncio.gather(*self.batcher.submit(self.seqs(*texts)))
-        return [r.row for r in results]
+        result = await self.batcher.submit(self.seqs(*texts))
+        return list(result.rows)
 
     def sample(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, {"model": "fake", **labels})
@@ -65,7 +66,7 @@ async def test_each_caller_gets_its_own_vector_while_batches_form(rig: Rig) -> N
 async def test_lone_request_is_dispatched_without_waiting(rig: Rig) -> None:
     await rig.embed("alone")
     assert rig.runner.batches == [1]
-    assert rig.sample("coalesce_queue_wait_seconds_sum") < 0.05
+    assert rig.sample("coalesce_queue_wait_seconds_sum", priority="normal") < 0.05
 
 
 async def test_multi_input_request_keeps_order(rig: Rig) -> None:
@@ -98,9 +99,7 @@ async def test_runner_failure_fails_only_its_batch_and_service_recovers() -> Non
 async def test_cancelled_items_are_never_computed(rig: Rig) -> None:
     blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
     await asyncio.sleep(0.005)
-    futures = rig.batcher.submit(rig.seqs("abandoned one", "abandoned two"))
-    for f in futures:
-        f.cancel()
+    rig.batcher.submit(rig.seqs("abandoned one", "abandoned two")).cancel()
     await blocker
     await rig.embed("next")
     assert sum(rig.runner.batches) == 2, "the cancelled inputs must not reach the runner"
@@ -166,15 +165,15 @@ async def test_batch_size_one_turns_batching_off() -> None:
 async def test_a_full_queue_refuses_before_any_tokenising() -> None:
     rig = Rig(FakeRunner(batch_seconds=0.2), max_queued_tokens=20)
     try:
-        rig.batcher.ensure_room()  # empty: room
+        rig.batcher.check_room()  # empty: room
         first = asyncio.ensure_future(rig.embed("w " * 8))  # 10 tokens: dispatched at once
         await asyncio.sleep(0.01)
         second = asyncio.ensure_future(rig.embed("w " * 18))  # 20 tokens: fills the queue
         await asyncio.sleep(0)
         with pytest.raises(Overloaded) as info:
-            rig.batcher.ensure_room()
+            rig.batcher.check_room()
         assert info.value.code == "queue_full"
         await asyncio.gather(first, second)
-        rig.batcher.ensure_room()  # drained: room again
+        rig.batcher.check_room()  # drained: room again
     finally:
         await rig.aclose()

@@ -68,12 +68,16 @@ def test_settings_are_frozen() -> None:
 
 
 def test_a_worker_runs_the_supervisors_flags_as_one_process_on_a_shared_port() -> None:
-    from coalesce.service.gateway.workers import worker_command
+    from coalesce.service.gateway.workers import child_command
 
     argv = ["--workers", "4", "--port", "9000", "--max-batch-size", "32"]
     assert build(argv).workers == 4
-    worker = build(worker_command(argv)[4:])  # after `python -m coalesce.service.cli serve`
-    assert (worker.workers, worker.reuse_port, worker.port, worker.max_batch_size) == (1, True, 9000, 32)
+    # after `python -m coalesce.service.cli serve`:
+    gateway = build(child_command(argv, "gateway", "/run/x", 4, 2)[4:])
+    assert (gateway.role, gateway.worker_id, gateway.engine_dir) == ("gateway", 2, "/run/x")
+    assert (gateway.workers, gateway.reuse_port, gateway.port, gateway.max_batch_size) == (4, True, 9000, 32)
+    engine = build(child_command(argv, "engine", "/run/x", 4)[4:])
+    assert (engine.role, engine.reuse_port, engine.max_batch_size) == ("engine", False, 32)
     assert build(environ={"COALESCE_WORKERS": "3"}).workers == 3
     with pytest.raises(SystemExit, match="workers"):
         build(["--workers", "0"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from coalesce.kernels.hf_runners import _activation, detect_task
 from coalesce.kernels.protocol import PairIds, Task
-from coalesce.service.gateway.tasks import activate
+from coalesce.service.gateway.responses import activate
 from coalesce.service.settings import ModelSpec, build
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from coalesce.service.errors import InvalidRequest, Overloaded, Unavailable, to_body
-from coalesce.service.gateway.embeddings import parse_inputs, vector
+from coalesce.service.gateway.embeddings import vector
+from coalesce.service.gateway.inputs import parse_inputs
 from coalesce.service.schemas import EmbeddingRequest, decode
 
 

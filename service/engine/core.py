@@ -1,0 +1,161 @@
+"""The engine: every served model's runner, worker threads and batcher, on one device thread.
+
+In one process (``--workers 1``) the gateway calls the engine's batchers directly; under ``--workers
+N`` the engine runs in a process of its own (``engine/server.py``) and gateways reach it over ZeroMQ.
+Either way this is the one place models are loaded, warmed and calibrated, and the one owner of their
+queues. Loading runs on the device thread, so the event loop keeps answering while weights load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coalesce.kernels.protocol import ModelInfo, Runner
+from coalesce.kernels.worker import DeviceThread, ModelWorker
+
+from ..batching.batcher import Batcher
+from ..batching.cost import CostModel
+from ..batching.policy import Limits
+from ..batching.scheduler import Scheduler, SchedulerConfig
+from ..logs import get_logger
+from ..metrics import Metrics
+from ..settings import ModelSpec, Settings
+
+log = get_logger("coalesce.engine")
+
+RunnerFactory = Callable[[ModelSpec], Runner]
+
+
+@dataclass(slots=True)
+class EngineModel:
+    """One loaded model: its runner, the worker that drives it, and the batcher that owns its queue."""
+
+    runner: Runner
+    worker: ModelWorker
+    batcher: Batcher
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.runner.info
+
+
+class Engine:
+    """Loads the models of ``settings`` and owns their batchers; event loop only (threads inside)."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, factory: RunnerFactory) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._factory = factory
+        self.device = DeviceThread()
+        self.models: list[EngineModel] = []
+        self._closed = False
+
+    async def load(self) -> None:
+        """Load, warm and calibrate every model, then start its batcher. Raises if any model fails."""
+        loop = asyncio.get_running_loop()
+        settings, metrics = self._settings, self._metrics
+        for spec in settings.model_specs:
+            t0 = time.perf_counter()
+            runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
+            t1 = time.perf_counter()
+            worker = ModelWorker(runner, self.device)
+            await worker.warmup()
+            cost = CostModel()
+            await _calibrate(worker, runner, cost)
+            t2 = time.perf_counter()
+            depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
+            scheduler = Scheduler(
+                scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
+            )
+            batcher = Batcher(worker, model=runner.info.name, scheduler=scheduler, metrics=metrics)
+            batcher.start()
+            self.models.append(EngineModel(runner, worker, batcher))
+            metrics.startup_seconds.labels(f"load:{runner.info.name}").set(t1 - t0)
+            metrics.startup_seconds.labels(f"warmup:{runner.info.name}").set(t2 - t1)
+            log.info(
+                "model_ready",
+                model=runner.info.name,
+                task=str(runner.info.task),
+                device=str(runner.device),
+                dim=runner.info.dim,
+                max_tokens=runner.info.max_tokens,
+                load_s=round(t1 - t0, 3),
+                warmup_s=round(t2 - t1, 3),
+                cost_overhead_ms=round(cost.coef.overhead_s * 1e3, 3),
+                cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
+            )
+        self.record_capture()
+
+    def record_capture(self) -> None:
+        """Graph runners' capture statistics into the gauges (after loading, and then periodically)."""
+        for model in self.models:
+            stats = model.runner.capture_stats
+            if stats is not None:
+                self._metrics.record_capture(model.info.name, stats)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting; let admitted work finish within ``timeout`` s. True if it all did."""
+        results = await asyncio.gather(*(m.batcher.drain(timeout) for m in self.models))
+        return all(results)
+
+    async def close(self) -> None:
+        """Answer whatever is still queued (503), stop the batchers and the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for model in self.models:
+            await model.batcher.close()
+            model.worker.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.device.close)
+
+
+def default_factory(settings: Settings) -> RunnerFactory:
+    """Runners as ``coalesce serve`` loads them: ``--runner-factory`` when given, else the loaders."""
+    if settings.runner_factory:
+        import importlib
+
+        module, _, name = settings.runner_factory.partition(":")
+        factory: RunnerFactory = getattr(importlib.import_module(module), name)
+        return factory
+    from coalesce.kernels.buckets import GraphOptions
+    from coalesce.kernels.loader import RunnerOptions, load_runner
+
+    graphs = GraphOptions(
+        enabled=settings.cuda_graphs,
+        batch_sizes=settings.graph_batch_sizes,
+        seq_lens=settings.graph_seq_lens,
+        budget_s=settings.graph_capture_budget_s,
+        budget_bytes=settings.graph_memory_budget_mb << 20,
+    )
+    options = RunnerOptions(device=settings.device, dtype=settings.dtype, graphs=graphs)
+    return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
+
+
+def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
+    """The batching knobs of ``settings`` for one model (whose longest input is ``max_tokens``)."""
+    strategy = settings.batching
+    wait_ms = (
+        settings.max_wait_ms if settings.max_wait_ms is not None else (5.0 if strategy == "fixed" else 0.0)
+    )
+    return SchedulerConfig(
+        strategy=strategy,  # type: ignore[arg-type]
+        limits=Limits(settings.max_batch_size, max(settings.max_batch_tokens, max_tokens)),
+        target_latency_s=settings.target_latency_ms / 1e3,
+        max_wait_s=wait_ms / 1e3,
+        max_queued_tokens=settings.max_queued_tokens,
+        tenant_max_queued_tokens=settings.tenant_max_queued_tokens or settings.max_queued_tokens // 2,
+        priority_aging_s=settings.priority_aging_ms / 1e3,
+        pipeline_depth=depth,
+    )
+
+
+async def _calibrate(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
+    """Seed the cost model with a small and a larger batch, so first decisions rest on measurements."""
+    filler = [min(1000, runner.info.vocab_size - 1)]
+    for n, length in ((1, 16), (8, 64)):
+        seq = runner.tokens.with_special_tokens(filler * length)
+        out = await worker.run([seq] * n)
+        cost.observe(runner.padded_cost(n, len(seq)), out.forward_s)

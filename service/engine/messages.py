@@ -1,0 +1,169 @@
+"""The protocol between gateway processes and the engine: every message, and how arrays travel.
+
+Each gateway has its own pair of ZeroMQ DEALER sockets with the engine (``ipc://`` in a private
+directory). A message is a multipart ZeroMQ message: frame 0 is one of the msgspec Structs below,
+msgpack-encoded; arrays follow as raw frames, never inside the encoding:
+
+* ``Submit`` carries one int32 frame per request: the sequences' lengths, then (for text pairs) where
+  each one's second segment starts, then every token id, concatenated;
+* ``Results`` carries one float32 frame per finished request: its rows, ``n × dim``, in input order.
+
+Gateway → engine: ``Hello`` (once connected), ``Submit`` (requests of one event-loop turn), ``Cancel``
+(callers that left or ran out of time). Engine → gateway: ``Welcome`` (the served models, once
+loaded, or the load error), ``Results`` (finished and refused requests, and each model's queue),
+``Refused`` (a message it could not take, with why). A refusal of a request carries its error's class
+name, so the gateway raises the same error class an in-process batcher would have raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from coalesce.kernels.protocol import ModelInfo, PairIds
+from coalesce.kernels.tokens import TokenizerSpec
+
+from .. import errors
+
+
+def endpoint(directory: str, gateway: int) -> str:
+    """The ``ipc://`` address of gateway ``gateway``'s socket in the private runtime ``directory``."""
+    return f"ipc://{Path(directory) / f'gateway-{gateway}.sock'}"
+
+
+class ModelOffer(msgspec.Struct, frozen=True):
+    """What a gateway needs to serve a model: its facts and tokenizer, and the engine's queue bound."""
+
+    info: ModelInfo
+    tokenizer: TokenizerSpec
+    device: str
+    max_queued_tokens: int
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    gateway: int
+    pid: int
+
+
+class Welcome(msgspec.Struct, frozen=True, tag=True):
+    models: list[ModelOffer]
+    error: str | None = None  # the engine could not load its models; it exits next
+
+
+class Job(msgspec.Struct, frozen=True, array_like=True):
+    """One request: ``n`` sequences for model ``model`` (its index in ``Welcome.models``)."""
+
+    id: int
+    model: int
+    n: int
+    pairs: bool
+    tenant: str
+    weight: float
+    priority: int
+    deadline: float  # time.monotonic(), the same clock in every process of the host
+
+
+class Submit(msgspec.Struct, frozen=True, tag=True):
+    jobs: list[Job]  # one int32 frame each
+
+
+class Cancel(msgspec.Struct, frozen=True, tag=True):
+    ids: list[int]
+
+
+class Done(msgspec.Struct, frozen=True, array_like=True):
+    id: int
+    n: int
+    dim: int
+    queue_s: float
+    forward_s: float
+
+
+class Failure(msgspec.Struct, frozen=True, array_like=True):
+    """A ``CoalesceError`` as data: ``kind`` is its class name in ``coalesce.service.errors``."""
+
+    kind: str
+    message: str
+    code: str | None
+    param: str | None
+    retry_after: float
+
+
+class Failed(msgspec.Struct, frozen=True, array_like=True):
+    id: int
+    error: Failure
+
+
+class Queue(msgspec.Struct, frozen=True, array_like=True):
+    tokens: int  # tokens waiting
+    drain_s: float  # predicted seconds until what is admitted has run
+
+
+class Results(msgspec.Struct, frozen=True, tag=True):
+    done: list[Done]  # one float32 frame each, in this order
+    failed: list[Failed]
+    queues: list[Queue]  # per model, by index
+
+
+class Refused(msgspec.Struct, frozen=True, tag=True):
+    reason: str
+
+
+ToEngine = Hello | Submit | Cancel
+ToGateway = Welcome | Results | Refused
+
+encoder = msgspec.msgpack.Encoder()
+engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+gateway_decoder = msgspec.msgpack.Decoder(ToGateway)
+
+
+class ProtocolError(ValueError):
+    """A message that breaks this protocol: logged and refused, never fatal."""
+
+
+def pack_job(seqs: Sequence[Sequence[int]]) -> tuple[bool, bytes]:
+    """(whether these are text pairs, the int32 frame of ``seqs``)."""
+    lengths = [len(s) for s in seqs]
+    pairs = bool(seqs) and isinstance(seqs[0], PairIds)
+    head = lengths + [s.b_start for s in seqs] if pairs else lengths  # type: ignore[attr-defined]
+    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=sum(lengths))
+    return pairs, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
+
+
+def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:
+    """The sequences of ``job`` from its frame, checked against ``info`` (sizes, lengths, ids)."""
+    data = np.frombuffer(frame, dtype=np.int32)
+    n = job.n
+    head = n * (2 if job.pairs else 1)
+    if n < 1 or data.size < head:
+        raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {data.size} ids")
+    lengths = data[:n]
+    if lengths.min() < 1 or lengths.max() > info.max_tokens or int(lengths.sum()) != data.size - head:
+        raise ProtocolError(f"job {job.id}: sequence lengths do not match the frame")
+    ids = data[head:]
+    if ids.size and (ids.min() < 0 or ids.max() >= info.vocab_size):
+        raise ProtocolError(f"job {job.id}: a token id is outside the model's vocabulary")
+    flat = ids.tolist()
+    ends = np.cumsum(lengths).tolist()
+    starts = [0, *ends[:-1]]
+    if job.pairs:
+        b_starts = data[n:head].tolist()
+        return [PairIds(flat[a:b], int(k)) for a, b, k in zip(starts, ends, b_starts, strict=True)]
+    return [flat[a:b] for a, b in zip(starts, ends, strict=True)]
+
+
+def failure(err: errors.CoalesceError) -> Failure:
+    return Failure(type(err).__name__, err.message, err.code, err.param, getattr(err, "retry_after", 0.0))
+
+
+def error_from(f: Failure) -> errors.CoalesceError:
+    """The error ``f`` describes, as the same class the engine raised."""
+    kind = getattr(errors, f.kind, None)
+    if not (isinstance(kind, type) and issubclass(kind, errors.CoalesceError)):
+        return errors.CoalesceError(f.message, code=f.code)
+    if issubclass(kind, errors.RetryableError):
+        return kind(f.message, retry_after=f.retry_after, code=f.code)
+    return kind(f.message, param=f.param, code=f.code)

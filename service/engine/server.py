@@ -1,0 +1,256 @@
+"""The engine process of ``--workers N``: every model's queue and runner, behind one socket per gateway.
+
+Gateways send jobs (``engine/messages.py``); each goes to its model's batcher exactly as an in-process
+request would, so inputs from every gateway coalesce into the same batches. Results and refusals go
+back in one message per gateway per event-loop turn, with each model's queue attached (a gateway
+refuses a flood before tokenising it on that report).
+
+Each gateway has its own socket, so its disconnect (a socket event, not a timeout) says which gateway
+died: its queued work is dropped at once, never computed. A message that cannot be decoded, or a job
+that breaks the protocol, is logged and refused; it never takes the engine down.
+
+Lifetime: the engine binds at once and welcomes each gateway (the models' facts and tokenizer) once the
+models are loaded; a load failure is sent instead, then the process exits 1. SIGTERM — which the
+supervisor sends only after every gateway has drained and exited — finishes admitted work and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from functools import partial
+from typing import Any, cast
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from coalesce.kernels.protocol import Runner
+from zmq.utils.monitor import recv_monitor_message
+
+from ..batching.batcher import RequestResult
+from ..errors import CoalesceError, InferenceFailed, Unavailable
+from ..logs import get_logger
+from ..metrics import Metrics
+from ..settings import Settings
+from . import messages as wire
+from .core import Engine, RunnerFactory, default_factory
+
+log = get_logger("coalesce.engine")
+
+# Capture statistics are copied into the shared metrics at most this often, after results (an idle
+# engine never wakes for them).
+_CAPTURE_EVERY_S = 1.0
+
+
+class GatewayLink:
+    """The engine's end of one gateway's socket: its jobs in flight and its outgoing replies."""
+
+    def __init__(self, index: int, ctx: zmq.asyncio.Context, address: str, engine: Engine,
+                 metrics: Metrics) -> None:
+        self.index = index
+        self._engine = engine
+        self._metrics = metrics
+        self._sock = ctx.socket(zmq.DEALER)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self._sock.setsockopt(option, value)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._sock.bind(address)
+        self._jobs: dict[int, asyncio.Future[RequestResult]] = {}
+        self._offers: list[wire.ModelOffer] | None = None
+        self._error: str | None = None
+        self._greeted = False  # the gateway said Hello
+        self._done: list[wire.Done] = []
+        self._frames: list[Any] = []
+        self._failed: list[wire.Failed] = []
+        self._flushing = False
+        self._captured_at = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+
+    def welcome(self, offers: list[wire.ModelOffer] | None, error: str | None = None) -> None:
+        """The models are loaded (``offers``), or failed to (``error``): tell the gateway once it is here."""
+        self._offers, self._error = offers, error
+        if self._greeted:
+            self._send_welcome()
+
+    def _send_welcome(self) -> None:
+        self._send([wire.encoder.encode(wire.Welcome(self._offers or [], self._error))])
+
+    # -- incoming ------------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart(copy=False)
+            try:
+                msg = wire.engine_decoder.decode(parts[0].buffer)
+            except Exception as exc:
+                self._refuse(f"undecodable message: {exc}")
+                continue
+            if isinstance(msg, wire.Submit):
+                self._submit(msg, parts[1:])
+            elif isinstance(msg, wire.Cancel):
+                for job_id in msg.ids:
+                    fut = self._jobs.pop(job_id, None)
+                    if fut is not None:
+                        fut.cancel()  # its batcher drops the inputs still waiting
+            else:
+                self._greeted = True
+                log.info("gateway_connected", gateway=msg.gateway, pid=msg.pid)
+                if self._offers is not None or self._error is not None:
+                    self._send_welcome()
+
+    def _refuse(self, reason: str) -> None:
+        log.warning("gateway_message_refused", gateway=self.index, reason=reason)
+        self._send([wire.encoder.encode(wire.Refused(reason))])
+
+    def _submit(self, msg: wire.Submit, frames: list[zmq.Frame]) -> None:
+        if len(frames) != len(msg.jobs):
+            self._refuse(f"{len(msg.jobs)} jobs with {len(frames)} frames")
+            return
+        models = self._engine.models
+        for job, frame in zip(msg.jobs, frames, strict=True):
+            try:
+                if self._offers is None:
+                    raise Unavailable("The models are still loading; retry shortly.", retry_after=2,
+                                      code="loading")
+                if not 0 <= job.model < len(models):
+                    raise wire.ProtocolError(f"job {job.id}: no model {job.model}")
+                model = models[job.model]
+                seqs = wire.unpack_job(job, frame.buffer, model.info)
+                fut = model.batcher.submit(
+                    seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline
+                )
+            except wire.ProtocolError as exc:
+                log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
+                self._fail(job.id, CoalesceError(f"The gateway sent a malformed job: {exc}",
+                                                 code="protocol_error"))
+            except CoalesceError as err:
+                self._fail(job.id, err)
+            else:
+                self._jobs[job.id] = fut
+                fut.add_done_callback(partial(self._finished, job.id))
+
+    # -- outgoing ------------------------------------------------------------------------------------
+    def _finished(self, job_id: int, fut: asyncio.Future[RequestResult]) -> None:
+        if self._jobs.pop(job_id, None) is None or fut.cancelled():
+            return  # withdrawn by the gateway: nobody to tell
+        exc = fut.exception()
+        if exc is not None:
+            err = exc if isinstance(exc, CoalesceError) else InferenceFailed(f"{type(exc).__name__}: {exc}")
+            self._fail(job_id, err)
+            return
+        result = fut.result()
+        rows = np.ascontiguousarray(result.rows, dtype=np.float32)
+        self._done.append(wire.Done(job_id, rows.shape[0], rows.shape[1], result.queue_s, result.forward_s))
+        self._frames.append(rows)
+        self._schedule_flush()
+
+    def _fail(self, job_id: int, err: CoalesceError) -> None:
+        self._failed.append(wire.Failed(job_id, wire.failure(err)))
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        now = time.monotonic()
+        queues = [wire.Queue(m.batcher.scheduler.queued_tokens, m.batcher.scheduler.drain_s(now))
+                  for m in self._engine.models]
+        msg = wire.Results(self._done, self._failed, queues)
+        frames = self._frames
+        self._done, self._failed, self._frames = [], [], []
+        self._send([wire.encoder.encode(msg), *frames])
+        if now - self._captured_at >= _CAPTURE_EVERY_S:
+            self._captured_at = now
+            self._engine.record_capture()
+
+    def _send(self, parts: list[Any]) -> None:
+        sent = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
+        sent.add_done_callback(_log_send_failure)
+
+    # -- the gateway's life --------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """A disconnect of this socket's peer means its gateway died: drop its queued work now."""
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            if self._jobs:
+                log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
+            jobs, self._jobs = self._jobs, {}
+            for fut in jobs.values():
+                fut.cancel()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+
+def _log_send_failure(sent: asyncio.Future[object]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.error("gateway_send_failed", error=repr(sent.exception()))
+
+
+async def serve_engine(settings: Settings, factory: RunnerFactory | None = None) -> int:
+    """Load the models and serve the gateways until SIGTERM (0), or exit 1 if loading fails."""
+    if not settings.engine_dir:
+        raise SystemExit("the engine needs --engine-dir (the supervisor of --workers sets it)")
+    metrics = Metrics()
+    engine = Engine(settings, metrics, factory or default_factory(settings))
+    ctx = zmq.asyncio.Context()
+    links = [GatewayLink(i, ctx, wire.endpoint(settings.engine_dir, i), engine, metrics)
+             for i in range(settings.workers)]
+    for link in links:
+        link.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    loading = loop.create_task(engine.load())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if not loading.done():
+        loading.cancel()
+        log.info("stopped", before="ready")
+    elif loading.exception() is not None:
+        exc = loading.exception()
+        log.error("model_load_failed", error=f"{type(exc).__name__}: {exc}")
+        for link in links:
+            link.welcome(None, f"{type(exc).__name__}: {exc}")
+        await asyncio.sleep(0.2)  # let the gateways read why before this process goes
+        code = 1
+    else:
+        offers = [_offer(m.runner, settings) for m in engine.models]
+        for link in links:
+            link.welcome(offers)
+        metrics.ready.set(1)
+        metrics.startup_seconds.labels("engine_ready").set(time.monotonic() - started)
+        log.info("engine_ready", models=[o.info.name for o in offers], gateways=len(links))
+        await stopping
+        metrics.ready.set(0)
+        finished = await engine.drain(settings.drain_timeout_s)
+        log.info("drained", complete=finished)
+    stopping.cancel()
+    await engine.close()
+    for link in links:
+        await link.close()
+    ctx.term()
+    return code
+
+
+def _offer(runner: Runner, settings: Settings) -> wire.ModelOffer:
+    return wire.ModelOffer(runner.info, runner.tokens.spec(), str(runner.device), settings.max_queued_tokens)

@@ -1,0 +1,237 @@
+"""One object per served model: the only thing a route calls to run inputs through a model.
+
+A route tokenises through :meth:`ServedModel.tokenize`, fits the ids (``inputs``), and awaits
+:meth:`ServedModel.infer` — admission, submit and await in one call, answered by the request's deadline.
+Where the model runs is this module's business alone:
+
+* :class:`LocalModel` — ``--workers 1``: the engine's batcher in this process, called directly;
+* :class:`RemoteModel` — ``--workers N``: the engine process, through the gateway's ``EngineClient``.
+
+Both tokenise here, on a thread per model: requests asking in the same event-loop turn share one hand-off
+and one ``encode_batch`` (a lone request waits for nobody), and a shared call that raises is retried per
+request, so a bad text fails only its own request. A future that resolves a request is cancelled when
+its caller leaves or its deadline passes; the model behind it then drops the inputs still waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
+
+from aiohttp import web
+from coalesce.kernels.protocol import ModelInfo, Tokens
+
+from ..batching.batcher import Batcher, RequestResult
+from ..engine.core import Engine, RunnerFactory
+from ..errors import DeadlineExceeded, Overloaded
+from ..metrics import Metrics
+from ..settings import Settings
+from .admission import Admission
+
+if TYPE_CHECKING:
+    from .models import ModelRegistry
+    from .remote import EngineClient
+
+_Pending = tuple[Sequence[str], "asyncio.Future[list[list[int]]]"]
+
+
+class ServedModel:
+    """A served model as routes see it: its facts, its tokenizer, and ``infer``."""
+
+    def __init__(self, info: ModelInfo, tokens: Tokens, *, device: str, metrics: Metrics) -> None:
+        self.info = info
+        self.tokens = tokens
+        self.device = device  # where the engine runs it ("cpu", "cuda:0", ...)
+        self.specials = tokens.specials  # special tokens added to every single text
+        self._metrics = metrics
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-tok-{info.name}")
+        self._pending: list[_Pending] = []
+
+    # -- tokenising ----------------------------------------------------------------------------------
+    async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Raw ids of ``texts`` (no special tokens, untruncated), off the event loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[list[int]]] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush_tokenize)
+        self._pending.append((texts, fut))
+        return await fut
+
+    def _flush_tokenize(self) -> None:
+        group = [(texts, fut) for texts, fut in self._pending if not fut.done()]
+        self._pending = []
+        if not group:
+            return
+        flat = [text for texts, _ in group for text in texts]
+        shared = asyncio.wrap_future(self._cpu.submit(self.tokens.tokenize, flat))
+        shared.add_done_callback(partial(self._fan_out, group))
+
+    def _fan_out(self, group: list[_Pending], done: asyncio.Future[list[list[int]]]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            if len(group) == 1:
+                _settle(group[0][1], done)
+                return
+            loop = asyncio.get_running_loop()
+            for texts, fut in group:  # alone, so the failure reaches only its own request
+                alone = asyncio.wrap_future(self._cpu.submit(self.tokens.tokenize, texts), loop=loop)
+                alone.add_done_callback(partial(_settle, fut))
+            return
+        ids = done.result()
+        start = 0
+        for texts, fut in group:
+            if not fut.done():
+                fut.set_result(ids[start : start + len(texts)])
+            start += len(texts)
+
+    # -- running -------------------------------------------------------------------------------------
+    def check_room(self, adm: Admission) -> None:
+        """Raise (429, 503) when the model cannot take more work now, before any tokenising."""
+        raise NotImplementedError
+
+    def submit(self, seqs: Sequence[Sequence[int]], adm: Admission) -> asyncio.Future[RequestResult]:
+        """Hand complete id sequences to the model (raising its refusal at once); cancelling the
+        future withdraws what has not run."""
+        raise NotImplementedError
+
+    async def infer(self, seqs: Sequence[Sequence[int]], adm: Admission) -> RequestResult:
+        """Run one request's inputs under its admission, answered by its deadline (504 past it)."""
+        fut = self.submit(seqs, adm)
+        # The deadline is one timer that cancels what is still awaited (cheaper on this path than
+        # asyncio.timeout); `expired` tells its cancellation from the task's own.
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            fut.cancel()
+
+        timer = asyncio.get_running_loop().call_later(max(0.0, adm.deadline - time.monotonic()), expire)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not expired or (task is not None and task.cancelling()):
+                raise  # the request itself was cancelled (its client left, or shutdown)
+            self._metrics.rejected.labels(self.info.name, "expired").inc()
+            raise DeadlineExceeded(
+                f"No result within the request's deadline of {adm.timeout_s * 1e3:.0f} ms; "
+                "what had not run was dropped."
+            ) from None
+        finally:
+            timer.cancel()
+            fut.cancel()  # a no-op once done
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+
+class LocalModel(ServedModel):
+    """The model's batcher in this process (``--workers 1``): no copies, no IPC."""
+
+    def __init__(self, batcher: Batcher, info: ModelInfo, tokens: Tokens, *, device: str,
+                 metrics: Metrics) -> None:
+        super().__init__(info, tokens, device=device, metrics=metrics)
+        self._batcher = batcher
+
+    def check_room(self, adm: Admission) -> None:
+        self._batcher.check_room(adm.tenant)
+
+    def submit(self, seqs: Sequence[Sequence[int]], adm: Admission) -> asyncio.Future[RequestResult]:
+        return self._batcher.submit(
+            seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline
+        )
+
+
+class RemoteModel(ServedModel):
+    """The model in the engine process, reached through this gateway's ``EngineClient``.
+
+    The queue bound is the engine's to enforce; ``check_room`` refuses early only on the engine's
+    last reported queue, when that report is fresh (the engine attaches it to every reply).
+    """
+
+    def __init__(self, client: EngineClient, index: int, info: ModelInfo, tokens: Tokens, *,
+                 device: str, max_queued_tokens: int, metrics: Metrics) -> None:
+        super().__init__(info, tokens, device=device, metrics=metrics)
+        self._client = client
+        self._index = index
+        self._bound = max_queued_tokens
+
+    def check_room(self, adm: Admission) -> None:
+        self._client.check_open()
+        queued, drain_s = self._client.load(self._index)
+        if queued >= self._bound:
+            self._metrics.rejected.labels(self.info.name, "queue_full").inc()
+            raise Overloaded(
+                f"Model '{self.info.name}': {queued} tokens are waiting (bound {self._bound}); retry later.",
+                retry_after=drain_s,
+                code="queue_full",
+            )
+
+    def submit(self, seqs: Sequence[Sequence[int]], adm: Admission) -> asyncio.Future[RequestResult]:
+        return self._client.submit(self._index, seqs, adm)
+
+
+class Backend(Protocol):
+    """Where the served models come from, and how they are brought up and down (app lifetime)."""
+
+    async def start(self) -> None:
+        """Bring every model up and register its facade; raises if they cannot be served."""
+        ...
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking work; wait up to ``timeout`` s for admitted work. True if all of it finished."""
+        ...
+
+    async def close(self) -> None:
+        """Answer whatever is left (503) and release everything."""
+        ...
+
+    def record(self) -> None:
+        """Refresh gauges that are read from the runners (at each scrape)."""
+        ...
+
+
+BACKEND = web.AppKey("backend", Backend)
+
+
+class LocalBackend:
+    """``--workers 1``: the engine lives in this process; each model is a ``LocalModel``."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, registry: ModelRegistry,
+                 factory: RunnerFactory) -> None:
+        self._engine = Engine(settings, metrics, factory)
+        self._metrics = metrics
+        self._registry = registry
+
+    async def start(self) -> None:
+        await self._engine.load()
+        for m in self._engine.models:
+            model = LocalModel(
+                m.batcher, m.info, m.runner.tokens, device=str(m.runner.device), metrics=self._metrics
+            )
+            self._registry.add(model)
+
+    async def drain(self, timeout: float) -> bool:
+        return await self._engine.drain(timeout)
+
+    async def close(self) -> None:
+        await self._engine.close()
+
+    def record(self) -> None:
+        self._engine.record_capture()
+
+
+def _settle(fut: asyncio.Future[list[list[int]]], done: asyncio.Future[list[list[int]]]) -> None:
+    """Copy ``done``'s outcome into ``fut`` unless the caller has gone."""
+    if fut.done():
+        return
+    if done.cancelled():
+        fut.cancel()
+    elif (exc := done.exception()) is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(done.result())

@@ -1,0 +1,170 @@
+"""Fitting a request's inputs to its model: validated items, token ids, truncation, special tokens.
+
+Every route turns what the caller sent into complete id sequences here, with one set of rules: a
+precise 400 naming the field (or the element) that is wrong; a full queue refused before any text is
+tokenised; texts and a client's token arrays cut to the model's length alike (keeping the end for
+``truncation_direction: left``) or, without truncation, rejected by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from aiohttp import web
+from coalesce.kernels.protocol import ModelInfo, PairIds
+
+from ..errors import InvalidRequest
+from .admission import Admission
+from .facade import ServedModel
+from .state import SETTINGS
+
+T = TypeVar("T", str, list[int])
+
+SEND_TRUNCATE = 'send "truncate": true'
+
+
+def checked_items(raw: T | Sequence[T], field: str, max_inputs: int) -> list[T]:
+    """A single item or a non-empty list of non-empty items (texts or token arrays), at most
+    ``max_inputs`` of them; a precise 400 naming ``field`` (or the offending element) otherwise."""
+    items: list[T] = [raw] if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise InvalidRequest(f"'{field}' must not be an empty list.", param=field, code="empty_input")
+    if len(items) > max_inputs:
+        raise InvalidRequest(
+            f"'{field}' has {len(items)} items; at most {max_inputs} are allowed per request.",
+            param=field,
+            code="too_many_inputs",
+        )
+    for i, item in enumerate(items):
+        if not item:
+            raise InvalidRequest(f"{field}[{i}] is empty.", param=f"{field}[{i}]", code="empty_input")
+    return items
+
+
+def parse_inputs(
+    raw: str | list[str | int | list[int]], max_inputs: int
+) -> tuple[list[str], list[list[int]]]:
+    """Split OpenAI's ``input`` into texts or token arrays (never both), rejecting what OpenAI rejects."""
+    items = [raw] if isinstance(raw, str) else raw
+    if items and all(isinstance(x, int) for x in items):  # one token array
+        return [], [list(items)]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in items):
+        return checked_items(items, "input", max_inputs), []  # type: ignore[arg-type]
+    if all(isinstance(x, list) for x in items):
+        return [], checked_items(items, "input", max_inputs)  # type: ignore[arg-type]
+    raise InvalidRequest(
+        "'input' must be a string, a list of strings, a token array, or a list of token arrays — not a mix.",
+        param="input",
+        code="invalid_type",
+    )
+
+
+def check_dimensions(dimensions: int | None, info: ModelInfo, field: str = "dimensions") -> None:
+    """``dimensions`` (when given) must be 1..the model's width."""
+    if dimensions is not None and not 1 <= dimensions <= info.dim:
+        raise InvalidRequest(
+            f"'{field}' must be between 1 and {info.dim} for model '{info.name}'; got {dimensions}.",
+            param=field,
+            code="invalid_dimensions",
+        )
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, index: int) -> None:
+    """Token ids must be in the model's own vocabulary (LangChain sends OpenAI's ids by default)."""
+    for tok in ids:
+        if tok < 0 or tok >= vocab_size:
+            raise InvalidRequest(
+                f"Token id {tok} in input {index} is outside this model's vocabulary (0..{vocab_size - 1}). "
+                "Token arrays must use the served model's tokenizer; LangChain's OpenAIEmbeddings "
+                "sends OpenAI's ids unless check_embedding_ctx_length=False, which makes it send text.",
+                param=f"input[{index}]",
+                code="invalid_token_id",
+            )
+
+
+def truncating(request: web.Request, truncate: bool | None) -> bool:
+    """A request's own ``truncate`` (TEI's field) wins; without it, the server's ``--truncate``."""
+    return request.app[SETTINGS].truncate if truncate is None else truncate
+
+
+def _too_long(info: ModelInfo, field: str, i: int, tokens: int, hint: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{field}[{i}] has {tokens} tokens; model '{info.name}' takes at most "
+        f"{info.max_tokens}. Shorten it, or {hint}.",
+        param=f"{field}[{i}]",
+        code="input_too_long",
+    )
+
+
+async def encode_texts(
+    model: ServedModel,
+    adm: Admission,
+    texts: Sequence[str],
+    *,
+    cut: bool,
+    field: str,
+    left: bool = False,
+    positions: Sequence[int] | None = None,
+    hint: str = SEND_TRUNCATE,
+) -> list[list[int]]:
+    """Complete id sequences for single texts, truncated (keeping the end when ``left``) or rejected.
+
+    ``positions`` are the texts' indices in the request's ``field``, for the error naming one; ``hint``
+    tells the caller how to have it truncated instead."""
+    model.check_room(adm)  # refuse a flood before tokenising it
+    raw = await model.tokenize(texts)
+    return fit_sequences(model, raw, cut=cut, field=field, left=left, positions=positions, hint=hint)
+
+
+def fit_sequences(
+    model: ServedModel,
+    raw: Sequence[Sequence[int]],
+    *,
+    cut: bool,
+    field: str,
+    left: bool = False,
+    positions: Sequence[int] | None = None,
+    hint: str = SEND_TRUNCATE,
+) -> list[list[int]]:
+    """Raw ids (tokenised texts or a client's token arrays) with special tokens added, each cut to
+    the model's length (keeping the end when ``left``) or, without truncation, rejected by name."""
+    room = model.info.max_tokens - model.specials
+    seqs = []
+    for i, ids in enumerate(raw):
+        if len(ids) > room:
+            if not cut:
+                raise _too_long(model.info, field, positions[i] if positions else i,
+                                len(ids) + model.specials, hint)
+            if left:
+                ids = ids[len(ids) - room :]
+        seqs.append(model.tokens.with_special_tokens(ids))
+    return seqs
+
+
+async def encode_pairs(
+    model: ServedModel,
+    adm: Admission,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    cut: bool,
+    field: str,
+    positions: Sequence[int] | None = None,
+) -> list[PairIds]:
+    """Complete id sequences for text pairs (segment B marked), truncated longest-first or rejected.
+
+    Each distinct string is tokenised once, so a rerank query shared by every pair costs one pass.
+    """
+    distinct = list(dict.fromkeys(s for pair in pairs for s in pair))
+    model.check_room(adm)  # refuse a flood before tokenising it
+    ids_of = dict(zip(distinct, await model.tokenize(distinct), strict=True))
+    tokens = model.tokens
+    specials = len(tokens.pair_with_special_tokens([], [])[0])
+    seqs = []
+    for i, (a, b) in enumerate(pairs):
+        ids_a, ids_b = ids_of[a], ids_of[b]
+        total = len(ids_a) + len(ids_b) + specials
+        if total > model.info.max_tokens and not cut:
+            raise _too_long(model.info, field, positions[i] if positions else i, total, SEND_TRUNCATE)
+        seqs.append(PairIds(*tokens.pair_with_special_tokens(ids_a, ids_b)))
+    return seqs

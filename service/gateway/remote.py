@@ -1,0 +1,279 @@
+"""A gateway's connection to the engine process (``--workers N``): submit, cancel, and results back.
+
+One ZeroMQ DEALER socket to the engine's socket for this gateway (``engine/messages.py`` is the
+protocol). Requests and cancellations made in one event-loop turn travel in one message. Every
+request owns a future here, and every exit path resolves it: the engine's rows or refusal, the caller
+cancelling it (a ``Cancel`` goes to the engine, which drops what has not run), or the engine going
+away — told at once by the socket's disconnect event, never by a timeout — which answers every waiting
+request 503 and refuses new ones. Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from coalesce.kernels.tokens import TokenizerAdapter
+from zmq.utils.monitor import recv_monitor_message
+
+from ..batching.batcher import RequestResult
+from ..engine import messages as wire
+from ..errors import Unavailable
+from ..logs import get_logger
+from ..metrics import Metrics
+from ..settings import Settings
+from .admission import Admission
+from .facade import RemoteModel
+from .models import ModelRegistry
+from .state import Lifecycle, Phase
+
+log = get_logger("coalesce.gateway.remote")
+
+# The engine's queue report rides on its replies; older than this it says nothing about the queue now.
+_QUEUE_REPORT_TTL_S = 0.25
+
+
+class EngineClient:
+    """Submit jobs to the engine and resolve their futures from its replies."""
+
+    def __init__(self, endpoint: str, gateway: int, on_lost: Callable[[str], None]) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self._sock.setsockopt(option, value)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._endpoint = endpoint
+        self._gateway = gateway
+        self._on_lost = on_lost
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[RequestResult]] = {}
+        self._jobs: list[wire.Job] = []
+        self._frames: list[bytes] = []
+        self._cancels: list[int] = []
+        self._flushing = False
+        self._queues: list[wire.Queue] = []
+        self._queues_at = 0.0
+        self._lost: str | None = None
+        self._closing = False
+        self._welcome: asyncio.Future[wire.Welcome] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> wire.Welcome:
+        """Connect, introduce this gateway, and wait for the engine's models (it may still be loading)."""
+        loop = asyncio.get_running_loop()
+        self._welcome = loop.create_future()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        self._sock.connect(self._endpoint)
+        await self._sock.send(wire.encoder.encode(wire.Hello(self._gateway, os.getpid())))
+        return await self._welcome
+
+    # -- requests ------------------------------------------------------------------------------------
+    def check_open(self) -> None:
+        """Raise 503 when the engine is gone or this gateway is draining."""
+        if self._lost is not None:
+            raise Unavailable(
+                f"The model engine is unavailable ({self._lost}); retry on another replica.",
+                retry_after=5,
+                code="engine_unavailable",
+            )
+        if self._closing:
+            raise Unavailable(
+                "The server is draining; retry on another replica.", retry_after=1, code="draining"
+            )
+
+    def load(self, model: int) -> tuple[int, float]:
+        """(tokens waiting, predicted drain seconds) for ``model`` as the engine last reported, or
+        (0, 0.0) when that report is too old to tell."""
+        if time.monotonic() - self._queues_at > _QUEUE_REPORT_TTL_S or model >= len(self._queues):
+            return 0, 0.0
+        q = self._queues[model]
+        return q.tokens, q.drain_s
+
+    def submit(
+        self, model: int, seqs: Sequence[Sequence[int]], adm: Admission
+    ) -> asyncio.Future[RequestResult]:
+        """Send one request; the future resolves with its rows, or raises the engine's refusal."""
+        self.check_open()
+        job_id = next(self._ids)
+        pairs, frame = wire.pack_job(seqs)
+        fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: self._on_settled(job_id, f))
+        self._waiting[job_id] = fut
+        self._idle.clear()
+        self._jobs.append(
+            wire.Job(job_id, model, len(seqs), pairs, adm.tenant, adm.weight, adm.priority, adm.deadline)
+        )
+        self._frames.append(frame)
+        self._schedule_flush()
+        return fut
+
+    def _on_settled(self, job_id: int, fut: asyncio.Future[RequestResult]) -> None:
+        if self._waiting.pop(job_id, None) is not None and fut.cancelled() and self._lost is None:
+            self._cancels.append(job_id)  # the caller left: the engine drops what has not run
+            self._schedule_flush()
+        if not self._waiting:
+            self._idle.set()
+
+    def _schedule_flush(self) -> None:
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if self._lost is not None:
+            return
+        if self._jobs:
+            parts = [wire.encoder.encode(wire.Submit(self._jobs)), *self._frames]
+            self._jobs, self._frames = [], []
+            self._send(parts)
+        if self._cancels:
+            self._send([wire.encoder.encode(wire.Cancel(self._cancels))])
+            self._cancels = []
+
+    def _send(self, parts: list[bytes]) -> None:
+        sent = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
+        sent.add_done_callback(_log_send_failure)
+
+    # -- replies -------------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart(copy=False)
+            try:
+                msg = wire.gateway_decoder.decode(parts[0].buffer)
+            except Exception as exc:  # the engine and this gateway disagree: loud, not fatal
+                log.error("engine_message_refused", error=str(exc))
+                continue
+            if isinstance(msg, wire.Results):
+                self._results(msg, parts[1:])
+            elif isinstance(msg, wire.Welcome):
+                if self._welcome is not None and not self._welcome.done():
+                    self._welcome.set_result(msg)
+            else:
+                log.error("engine_refused_a_message", reason=msg.reason)
+
+    def _results(self, msg: wire.Results, frames: Sequence[zmq.Frame]) -> None:
+        self._queues, self._queues_at = msg.queues, time.monotonic()
+        waiting = self._waiting
+        for done, frame in zip(msg.done, frames, strict=True):
+            fut = waiting.get(done.id)
+            if fut is not None and not fut.done():
+                rows = np.frombuffer(frame.buffer, dtype=np.float32).reshape(done.n, done.dim)
+                fut.set_result(RequestResult(rows, done.queue_s, done.forward_s))
+        for failed in msg.failed:
+            fut = waiting.get(failed.id)
+            if fut is not None and not fut.done():
+                fut.set_exception(wire.error_from(failed.error))
+
+    async def _watch(self) -> None:
+        """The engine's socket events: a disconnect after the connection means the engine is gone."""
+        connected = False
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and connected and not self._closing:
+                self._lose("the engine process went away")
+                return
+
+    def _lose(self, reason: str) -> None:
+        self._lost = reason
+        log.error("engine_lost", reason=reason, waiting=len(self._waiting))
+        err = Unavailable(
+            f"The model engine is unavailable ({reason}); retry on another replica.",
+            retry_after=5,
+            code="engine_unavailable",
+        )
+        for fut in list(self._waiting.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_exception(err)
+        self._on_lost(reason)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests; wait up to ``timeout`` s for those in flight. True if all finished."""
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        """Answer what still waits (503) and close the socket. Idempotent."""
+        if self._sock.closed:
+            return
+        self._closing = True
+        err = Unavailable("The server is shutting down; retry on another replica.", retry_after=1,
+                          code="shutting_down")
+        for fut in list(self._waiting.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _log_send_failure(sent: asyncio.Future[object]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.error("engine_send_failed", error=repr(sent.exception()))
+
+
+class RemoteBackend:
+    """``--workers N``: this gateway's models are the engine process's, each a ``RemoteModel``.
+
+    A gateway loads no weights and never imports torch: the engine's ``Welcome`` carries each model's
+    facts and its tokenizer. Losing the engine turns this gateway FAILED (``/ready`` 503; model routes
+    503 ``engine_unavailable``) until the supervisor stops it.
+    """
+
+    def __init__(
+        self, settings: Settings, metrics: Metrics, registry: ModelRegistry, life: Lifecycle
+    ) -> None:
+        if not settings.engine_dir:
+            raise SystemExit("a gateway needs --engine-dir (the supervisor of --workers sets it)")
+        self._metrics = metrics
+        self._registry = registry
+        self._life = life
+        address = wire.endpoint(settings.engine_dir, settings.worker_id)
+        self._client = EngineClient(address, settings.worker_id, self._lost)
+
+    def _lost(self, reason: str) -> None:
+        self._life.set(Phase.FAILED, reason, code="engine_unavailable")
+
+    async def start(self) -> None:
+        welcome = await self._client.start()
+        if welcome.error is not None:
+            raise RuntimeError(f"the engine could not load the models: {welcome.error}")
+        for index, offer in enumerate(welcome.models):
+            tokens = TokenizerAdapter.from_spec(offer.tokenizer)
+            self._registry.add(RemoteModel(
+                self._client, index, offer.info, tokens, device=offer.device,
+                max_queued_tokens=offer.max_queued_tokens, metrics=self._metrics,
+            ))
+
+    async def drain(self, timeout: float) -> bool:
+        return await self._client.drain(timeout)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    def record(self) -> None:
+        return None  # the engine process keeps the runner gauges

@@ -1,0 +1,143 @@
+"""Deterministic runners with no model, for tests of everything above the runner.
+
+``FakeRunner``: each input's vector depends on its token ids alone, so a test can compute what any
+caller must get back (``expected``) and catch results fanned out to the wrong caller. ``service_time``
+makes the forward take ``a + b × padded tokens`` seconds; ``fail_token`` makes any batch containing
+that id raise. It runs in-process only (its tokenizer is not a real one a gateway could rebuild).
+
+``slow_minilm``: a runner factory for ``coalesce serve --runner-factory tests.fakes:slow_minilm``
+(multi-process tests): the packaged model's real tokenizer with a forward that sleeps 200 ms per batch
+and answers the same unit vector, so queues build up on demand and a gateway can tokenise.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from coalesce.kernels.protocol import ModelInfo, Task
+
+
+@dataclass
+class FakeTokens:
+    """Word-level ids from a hash: ``[0, *ids, 0]`` with a pair separator of one 0."""
+
+    max_tokens: int = 32
+    vocab_size: int = 1000
+    pad_id: int = 0
+
+    @property
+    def specials(self) -> int:
+        return 2
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[1 + zlib.crc32(w.encode()) % (self.vocab_size - 1) for w in t.split()] or [1] for t in texts]
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        return [0, *ids[: self.max_tokens - 2], 0]
+
+    def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> tuple[list[int], int]:
+        room = self.max_tokens - 3
+        la, lb = len(a), len(b)
+        while la + lb > room:
+            if la >= lb:
+                la -= 1
+            else:
+                lb -= 1
+        return [0, *a[:la], 0, *b[:lb], 0], la + 2
+
+    def spec(self) -> Any:
+        raise TypeError("the fake tokenizer serves in-process only (--workers 1)")
+
+
+@dataclass
+class FakeRunner:
+    info: ModelInfo = field(
+        default_factory=lambda: ModelInfo(name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8)
+    )
+    batch_seconds: float = 0.0  # a: fixed cost of one forward
+    token_seconds: float = 0.0  # b: cost per padded token
+    fail_token: int | None = None
+    batches: list[int] = field(default_factory=list)  # sizes of the batches run, for assertions
+    device: str = "cpu"
+    capture_stats: None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = FakeTokens(self.info.max_tokens, self.info.vocab_size)
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tokens.tokenize(texts)
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        return self.tokens.with_special_tokens(ids)
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        return n * max_len
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [list(s) for s in batch]
+
+    def forward(self, prepared: list[list[int]]) -> list[list[int]]:
+        self.batches.append(len(prepared))
+        if self.fail_token is not None and any(self.fail_token in s for s in prepared):
+            raise RuntimeError("injected runner failure")
+        cost = self.batch_seconds + self.token_seconds * len(prepared) * max(len(s) for s in prepared)
+        if cost > 0:
+            time.sleep(cost)
+        return prepared
+
+    def finish(self, output: list[list[int]], prepared: list[list[int]]) -> np.ndarray:
+        return np.stack([self.vector(s) for s in output])
+
+    def warmup(self) -> None:
+        return None
+
+    def vector(self, seq: Sequence[int]) -> np.ndarray:
+        seed = zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes())
+        v = np.random.default_rng(seed).standard_normal(self.info.dim).astype(np.float32)
+        out: np.ndarray = v / np.linalg.norm(v)
+        return out
+
+    def expected(self, text: str) -> np.ndarray:
+        """The vector a caller must receive for ``text``."""
+        return self.vector(self.with_special_tokens(self.tokenize([text])[0]))
+
+
+class SlowForward:
+    """A real runner's tokenizer and facts with a forward that sleeps ``seconds`` per batch."""
+
+    def __init__(self, inner: Any, seconds: float) -> None:
+        self.info: ModelInfo = inner.info
+        self.tokens = inner.tokens
+        self.device = "cpu"
+        self.capture_stats = None
+        self._seconds = seconds
+        row = np.ones(self.info.dim, dtype=np.float32)
+        self._row = row / np.linalg.norm(row)
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        return n * max_len
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> int:
+        return len(batch)
+
+    def forward(self, prepared: int) -> int:
+        time.sleep(self._seconds)
+        return prepared
+
+    def finish(self, output: int, prepared: int) -> np.ndarray:
+        return np.tile(self._row, (output, 1))
+
+    def warmup(self) -> None:
+        return None
+
+
+def slow_minilm(spec: Any) -> SlowForward:
+    """``--runner-factory tests.fakes:slow_minilm``: the packaged model's tokenizer, 200 ms a batch."""
+    from coalesce.kernels.loader import RunnerOptions, load_runner
+
+    return SlowForward(load_runner(spec.path, spec.name, RunnerOptions(device="cpu")), 0.2)
