@@ -1,16 +1,23 @@
-"""`coalesce serve --workers 2`: two real processes share the port, every answer is right whichever
-worker gives it, one scrape reports the whole replica, SIGTERM stops both cleanly, and a worker that
-dies takes the replica down instead of leaving it half-served."""
+"""`coalesce serve --workers 2`: two gateway processes on one port in front of one engine process.
+
+Every answer is right whichever gateway gives it, inputs from both gateways share the engine's queue,
+refusals read exactly as in one process, a caller that leaves has its queued inputs dropped in the
+engine, and either half dying is noticed at once: an engine killed answers 503 within moments and a
+gateway killed has its queued work dropped; the supervisor then exits non-zero. Gateways never load
+torch. (SIGTERM under load with --workers 2 is in test_shutdown.py.)
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,8 @@ from ..conftest import free_port
 from .test_shutdown import wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
+SLOW = ["--runner-factory", "tests.fakes:slow_minilm"]  # the real tokenizer, 200 ms a batch
+REPO = Path(__file__).resolve().parents[2]
 
 
 def children_of(pid: int) -> list[int]:
@@ -37,80 +46,300 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def role_of(pid: int) -> str:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return args[args.index(b"--role") + 1].decode() if b"--role" in args else "all"
+
+
+def roles(supervisor: int) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for pid in children_of(supervisor):
+        out.setdefault(role_of(pid), []).append(pid)
+    return out
+
+
+class Replica:
+    """A `coalesce serve` process tree on loopback, stopped (and its children killed) at the end."""
+
+    def __init__(self, workers: int, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coalesce.service.cli", "serve", "--workers", str(workers),
+             "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-grace-s", "0.5",
+             "--log-level", "info", *args],
+            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+
+    def stop(self) -> str:
+        """Kill what is left; the process tree's log."""
+        for child in children_of(self.proc.pid):
+            os.kill(child, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _, err = self.proc.communicate(timeout=20)
+        return err.decode(errors="replace")
+
+
 @pytest.fixture
-def supervisor() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    port = free_port()
-    exe = Path(sys.executable).parent / "coalesce"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("OMP_NUM_THREADS", None)  # the supervisor splits the cores between its workers
-    proc = subprocess.Popen(
-        [str(exe), "serve", "--workers", "2", "--host", "127.0.0.1", "--port", str(port),
-         "--shutdown-grace-s", "0.5", "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    yield proc, f"http://127.0.0.1:{port}"
-    for child in children_of(proc.pid):
-        os.kill(child, signal.SIGKILL)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
+def replica() -> Iterator[Callable[..., Replica]]:
+    started: list[Replica] = []
+
+    def start(workers: int = 2, args: list[str] | None = None) -> Replica:
+        r = Replica(workers, args or [])
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
 
 
-async def wait_all_workers(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    """Ready means at least one worker listens; wait until two distinct workers have answered."""
-    await wait_ready(url, proc, timeout)
+async def wait_all_gateways(r: Replica, n: int = 2, timeout: float = 120) -> None:
+    """Ready means one gateway listens; wait until ``n`` distinct gateways have answered."""
+    await wait_ready(r.url, r.proc, timeout)
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        while len(seen) < 2 and time.monotonic() < deadline:
-            async with s.get(url + "/ready") as r:
-                if r.status == 200:
-                    seen.add(r.headers["x-request-id"][:12])  # the per-process id prefix
+        while len(seen) < n and time.monotonic() < deadline:
+            async with s.get(r.url + "/ready") as resp:
+                if resp.status == 200:
+                    seen.add(resp.headers["x-request-id"][:12])  # the per-process id prefix
             await asyncio.sleep(0.05)
-    assert len(seen) == 2, "the second worker never started listening"
+    assert len(seen) == n, "not every gateway started listening"
 
 
-async def test_two_workers_share_the_port_and_answer_as_one(supervisor: Any, st_model: Any) -> None:
-    proc, url = supervisor
-    await wait_all_workers(url, proc)
-    assert len(children_of(proc.pid)) == 2
+def metric(text: str, line_start: str) -> float:
+    lines = [ln for ln in text.splitlines() if ln.startswith(line_start)]
+    assert len(lines) == 1, line_start
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_model: Any) -> None:
+    r = replica(2)
+    await wait_all_gateways(r)
+    tree = roles(r.proc.pid)
+    assert len(tree["gateway"]) == 2 and len(tree["engine"]) == 1
+
+    # Only the engine loads torch: a gateway tokenises with the tokenizer the engine sent it.
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    assert "libtorch" in maps(tree["engine"][0])
+    for gateway in tree["gateway"]:
+        assert "libtorch" not in maps(gateway)
 
     texts = [f"worker test sentence number {i}" for i in range(24)]
-    workers: set[str] = set()
+    gateways: set[str] = set()
     rows = []
-    # A fresh connection per request, so the kernel spreads them over both workers' sockets.
+    # A fresh connection per request, so the kernel spreads them over both gateways' sockets.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         for text in texts:
-            async with s.post(url + "/v1/embeddings", json={"model": MODEL, "input": text}) as r:
-                assert r.status == 200
-                workers.add(r.headers["x-request-id"][:12])
-                rows.append((await r.json())["data"][0]["embedding"])
-        async with s.get(url + "/metrics") as r:
-            metrics = await r.text()
-    assert len(workers) == 2, "both workers must have served"
+            async with s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": text}) as resp:
+                assert resp.status == 200
+                gateways.add(resp.headers["x-request-id"][:12])
+                rows.append((await resp.json())["data"][0]["embedding"])
+        pairs = [[f"pair {i} first text", f"pair {i} second text"] for i in range(8)]
+        batch = await asyncio.gather(*(
+            s.post(r.url + "/embed", json={"inputs": p}) for p in pairs
+        ))
+        batch_rows = [await resp.json() for resp in batch]
+        async with s.get(r.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert len(gateways) == 2, "both gateways must have served"
     want = st_model.encode(texts, normalize_embeddings=True)
-    cos = np.sum(np.asarray(rows) * want, axis=1)
-    assert cos.min() > 0.9999
+    assert np.sum(np.asarray(rows) * want, axis=1).min() >= 0.99999
+    for p, got in zip(pairs, batch_rows, strict=True):
+        want_pair = st_model.encode(p, normalize_embeddings=True)
+        assert np.sum(np.asarray(got) * want_pair, axis=1).min() >= 0.99999
 
-    def value(line_start: str) -> float:
-        lines = [ln for ln in metrics.splitlines() if ln.startswith(line_start)]
-        assert len(lines) == 1, line_start
-        return float(lines[0].rsplit(" ", 1)[1])
+    # One scrape, whichever gateway answered it, counts what both served and the engine's batches.
+    assert metric(metrics, 'coalesce_requests_total{route="/v1/embeddings",status="200"}') == 24
+    assert metric(metrics, 'coalesce_inputs_total{model="all-MiniLM-L6-v2"}') == 24 + 16
+    assert metric(metrics, 'coalesce_batches_total{model="all-MiniLM-L6-v2"}') >= 1
+    assert metric(metrics, "coalesce_ready ") == 1
 
-    # One scrape, whichever worker answered it, counts what both served.
-    assert value('coalesce_requests_total{route="/v1/embeddings",status="200"}') == 24
-    assert value('coalesce_inputs_total{model="all-MiniLM-L6-v2"}') == 24
-    assert value("coalesce_ready ") == 1
-
-    proc.send_signal(signal.SIGTERM)
-    assert await asyncio.to_thread(proc.wait, 60) == 0
-    assert children_of(proc.pid) == []
+    r.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(r.proc.wait, 60) == 0
+    assert children_of(r.proc.pid) == []
 
 
-async def test_a_worker_that_dies_takes_the_replica_down(supervisor: Any) -> None:
-    proc, url = supervisor
-    await wait_all_workers(url, proc)
-    victim, survivor = children_of(proc.pid)
-    os.kill(victim, signal.SIGKILL)
-    assert await asyncio.to_thread(proc.wait, 60) == 1, "the platform must see the failure"
-    assert not Path(f"/proc/{survivor}").exists(), "the surviving worker must be stopped too"
+def _shape(status: int, body: dict[str, Any], headers: Any) -> tuple[Any, ...]:
+    """What a client sees of a refusal, numbers in the message aside (queue sizes differ by timing)."""
+    err = body["error"]
+    message = re.sub(r"\d+(\.\d+)?", "N", err["message"])
+    return status, err["type"], err["code"], err["param"], message, "Retry-After" in headers
+
+
+async def _refusals(url: str) -> dict[str, tuple[Any, ...]]:
+    """Provoke each refusal: a 200 ms batch holds the model while the rest arrive."""
+    long_text = " ".join(["word"] * 30)  # 32 tokens with [CLS] and [SEP]
+    mid_text = " ".join(["word"] * 18)  # 20 tokens
+    out = {}
+    async with aiohttp.ClientSession() as s:
+
+        async def post(text: str, **headers: str) -> tuple[int, Any, Any]:
+            async with s.post(url + "/v1/embeddings", json={"model": MODEL, "input": text},
+                              headers=headers) as resp:
+                return resp.status, await resp.json(), resp.headers
+
+        # (refusal, what waits, headers of the waiting and refused requests): the queue takes 60
+        # tokens, a named tenant 30.
+        for name, waiting, refused, first, then in (
+            ("queue_full", long_text, long_text, {}, {}),
+            ("tenant_queue_full", mid_text, long_text, {"X-Tenant": "t"}, {"X-Tenant": "t"}),
+            ("deadline_unmeetable", long_text, "a short query", {}, {"X-Request-Timeout": "60"}),
+        ):
+            busy = asyncio.ensure_future(post("holds the model", **first))
+            await asyncio.sleep(0.05)
+            queued = asyncio.ensure_future(post(waiting, **first))
+            await asyncio.sleep(0.05)
+            status, body, headers = await post(refused, **then)
+            assert status in (429, 503), (name, status, body)
+            assert body["error"]["code"] == name, body
+            out[name] = _shape(status, body, headers)
+            assert (await busy)[0] == 200 and (await queued)[0] == 200
+    return out
+
+
+async def test_every_refusal_reads_as_in_one_process(replica: Any) -> None:
+    flags = [*SLOW, "--max-queued-tokens", "60", "--tenant-max-queued-tokens", "30"]
+    one, two = replica(1, flags), replica(2, flags)
+    await wait_ready(one.url, one.proc)
+    await wait_all_gateways(two)
+    assert await _refusals(one.url) == await _refusals(two.url)
+
+
+async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(replica: Any) -> None:
+    r = replica(2, SLOW)
+    await wait_all_gateways(r)
+    async with aiohttp.ClientSession() as s:
+        busy = asyncio.ensure_future(s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": "busy"}))
+        await asyncio.sleep(0.05)
+        leaver = asyncio.ensure_future(
+            s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": ["gone"] * 5})
+        )
+        await asyncio.sleep(0.05)
+        leaver.cancel()  # the client hangs up while its inputs wait behind the busy batch
+        assert (await busy).status == 200
+        text = ""
+        for _ in range(100):
+            async with s.get(r.url + "/metrics") as resp:
+                text = await resp.text()
+            if 'reason="cancelled"' in text:
+                break
+            await asyncio.sleep(0.05)
+    assert metric(text, 'coalesce_rejected_total{model="all-MiniLM-L6-v2",reason="cancelled"}') == 5
+    assert metric(text, 'coalesce_inputs_total{model="all-MiniLM-L6-v2"}') == 1, "never computed"
+
+
+async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica_down(replica: Any) -> None:
+    r = replica(2, SLOW)
+    await wait_all_gateways(r)
+    engine = roles(r.proc.pid)["engine"][0]
+    async with aiohttp.ClientSession() as s:
+
+        async def embed(i: int) -> tuple[int, Any, float]:
+            body = {"model": MODEL, "input": [f"in flight {i}"] * 3}
+            async with s.post(r.url + "/v1/embeddings", json=body,
+                              headers={"X-Request-Timeout": "30000"}) as resp:
+                return resp.status, await resp.json(), time.monotonic()
+
+        in_flight = [asyncio.ensure_future(embed(i)) for i in range(8)]
+        await asyncio.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        answers = await asyncio.gather(*in_flight)
+    for status, body, at in answers:
+        if status == 200:
+            continue  # finished before the kill
+        assert status == 503 and body["error"]["code"] == "engine_unavailable", body
+        assert at - killed < 5, "answered at once, not at the request's 30 s deadline"
+    assert any(status == 503 for status, _, _ in answers)
+    assert await asyncio.to_thread(r.proc.wait, 60) == 1, "the platform must see the failure"
+    assert children_of(r.proc.pid) == []
+
+
+async def test_a_gateway_that_dies_has_its_queued_work_dropped_and_takes_the_replica_down(
+    replica: Any,
+) -> None:
+    r = replica(2, [*SLOW, "--max-batch-size", "2"])  # 10 inputs a second: work stays queued
+    await wait_all_gateways(r)
+    victim = roles(r.proc.pid)["gateway"][0]
+    engine = roles(r.proc.pid)["engine"][0]
+    # Many connections, so the kernel hands some to each gateway; each request queues 4 inputs.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        tasks = [
+            asyncio.ensure_future(s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": ["q"] * 4}))
+            for _ in range(16)
+        ]
+        await asyncio.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert await asyncio.to_thread(r.proc.wait, 60) == 1
+    assert not Path(f"/proc/{engine}").exists(), "the engine must be stopped too"
+    log = [json.loads(line) for line in r.stop().splitlines() if line.startswith("{")]
+    lost = [e for e in log if e["event"] == "gateway_lost"]
+    assert len(lost) == 1 and lost[0]["dropped_requests"] > 0, log
+
+
+async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_path: Path) -> None:
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from coalesce.service.engine import messages as wire
+
+    engine_dir = tmp_path / "engine"
+    engine_dir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coalesce.service.cli", "serve", "--role", "engine", "--engine-dir",
+         str(engine_dir), "--workers", "1", *SLOW],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(wire.endpoint(str(engine_dir), 0))
+
+        async def reply() -> Any:
+            parts = await asyncio.wait_for(sock.recv_multipart(), 60)
+            return wire.gateway_decoder.decode(parts[0]), parts[1:]
+
+        await sock.send(wire.encoder.encode(wire.Hello(0, os.getpid())))
+        welcome, _ = await reply()
+        assert isinstance(welcome, wire.Welcome) and welcome.models[0].info.name == MODEL
+
+        await sock.send(b"\x93not a message")
+        refused, _ = await reply()
+        assert isinstance(refused, wire.Refused) and "undecodable" in refused.reason
+        no_frames = {"type": "Submit", "jobs": [[1, 0, 1, False, "t", 1.0, 1, 0.0]]}
+        await sock.send(msgspec.msgpack.encode(no_frames))
+        refused, _ = await reply()
+        assert isinstance(refused, wire.Refused) and "frames" in refused.reason
+
+        deadline = time.monotonic() + 30
+        bad = wire.Job(2, 0, 1, False, "default", 1.0, 1, deadline)
+        good = wire.Job(3, 0, 1, False, "default", 1.0, 1, deadline)
+        frame_bad = np.array([3, 101, 10**7, 102], dtype=np.int32).tobytes()  # an id past the vocabulary
+        frame_good = np.array([3, 101, 7592, 102], dtype=np.int32).tobytes()
+        await sock.send_multipart([wire.encoder.encode(wire.Submit([bad, good])), frame_bad, frame_good])
+        seen: dict[int, Any] = {}
+        while len(seen) < 2:
+            results, frames = await reply()
+            seen.update({f.id: f.error for f in results.failed})
+            seen.update({d.id: np.frombuffer(fr, dtype=np.float32) for d, fr in zip(results.done, frames,
+                                                                                     strict=True)})
+        assert seen[2].code == "protocol_error" and "vocabulary" in seen[2].message
+        assert seen[3].shape == (384,), "the engine still serves after refusing garbage"
+        assert proc.poll() is None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    log = err.decode()
+    assert proc.returncode == 0
+    assert log.count("gateway_message_refused") == 2 and "gateway_job_refused" in log
