@@ -40,16 +40,23 @@ class BatchOutput:
 
 
 class ModelWorker:
-    """Drives one runner: prepare on a CPU thread, forward and finish on the device thread."""
+    """Drives one runner: prepare on a CPU thread, forward and finish on the device thread.
 
-    def __init__(self, runner: Runner, device: DeviceThread) -> None:
+    With ``overlap`` off (one batch in flight at a time, as on CPU), nothing can run beside a forward,
+    so a batch is prepared on the device thread too: one thread hand-off per batch instead of two.
+    """
+
+    def __init__(self, runner: Runner, device: DeviceThread, *, overlap: bool = True) -> None:
         self.runner = runner
         self._device = device
+        self._overlap = overlap
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-prep-{runner.info.name}")
 
     async def run(self, batch: Sequence[Sequence[int]]) -> BatchOutput:
         """Run one batch of complete id sequences. Raises whatever the runner raised."""
         loop = asyncio.get_running_loop()
+        if not self._overlap:
+            return await loop.run_in_executor(self._device.executor, self._prepare_and_forward, batch)
         t0 = time.perf_counter()
         prepared = await loop.run_in_executor(self._cpu, self.runner.prepare, batch)
         t1 = time.perf_counter()
@@ -61,6 +68,13 @@ class ModelWorker:
         t0 = time.perf_counter()
         rows = self.runner.finish(self.runner.forward(prepared), prepared)
         return rows, time.perf_counter() - t0
+
+    def _prepare_and_forward(self, batch: Sequence[Sequence[int]]) -> BatchOutput:
+        # Device thread only.
+        t0 = time.perf_counter()
+        prepared = self.runner.prepare(batch)
+        rows, forward_s = self._forward(prepared)
+        return BatchOutput(rows=rows, prepare_s=time.perf_counter() - t0 - forward_s, forward_s=forward_s)
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()

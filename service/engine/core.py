@@ -61,12 +61,12 @@ class Engine:
             t0 = time.perf_counter()
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
-            worker = ModelWorker(runner, self.device)
+            depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
+            worker = ModelWorker(runner, self.device, overlap=depth > 1)
             await worker.warmup()
             cost = CostModel()
             await _calibrate(worker, runner, cost)
             t2 = time.perf_counter()
-            depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
             scheduler = Scheduler(
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
             )
