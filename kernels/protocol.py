@@ -52,19 +52,43 @@ class ModelInfo:
     activation: str = "none"
 
 
-class PairIds(list[int]):
-    """A complete id sequence for a text pair (query, document), remembering where segment B starts.
+class MarkedIds(list[int]):
+    """A complete id sequence with positions its runner must know: where a text pair's second segment
+    starts (segment ids), and where pooling starts (a prompt the model's pooling leaves out).
 
-    A plain list to everything above the runner, so a batch of pairs flows through the batcher as
-    ``Sequence[int]`` unchanged and the token budget charges the whole pair; the runner reads
-    ``b_start`` to set segment ids. A copy made with ``list(...)`` is an ordinary single sequence.
+    A plain list to everything above the runner, so it flows through the batcher as ``Sequence[int]``
+    unchanged and the token budget charges all of it. A copy made with ``list(...)`` is unmarked.
     """
 
-    __slots__ = ("b_start",)
+    __slots__ = ("b_start", "pool_start")
+
+    def __init__(self, ids: Sequence[int], *, b_start: int = -1, pool_start: int = 0) -> None:
+        super().__init__(ids)
+        self.b_start = b_start  # -1: a single text
+        self.pool_start = pool_start  # 0: pool over every token
+
+
+class PairIds(MarkedIds):
+    """A text pair (query, document): segment B starts at ``b_start``."""
+
+    __slots__ = ()
 
     def __init__(self, ids: Sequence[int], b_start: int) -> None:
-        super().__init__(ids)
-        self.b_start = b_start
+        super().__init__(ids, b_start=b_start)
+
+
+class PromptIds(MarkedIds):
+    """A text behind a prompt that the model's pooling leaves out: pooling starts at ``pool_start``."""
+
+    __slots__ = ()
+
+    def __init__(self, ids: Sequence[int], pool_start: int) -> None:
+        super().__init__(ids, pool_start=pool_start)
+
+
+def marks(seq: Sequence[int]) -> tuple[int, int]:
+    """``(b_start, pool_start)`` of a sequence: ``(-1, 0)`` for an unmarked one."""
+    return (seq.b_start, seq.pool_start) if isinstance(seq, MarkedIds) else (-1, 0)
 
 
 class Tokens(Protocol):

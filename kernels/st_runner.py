@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import ModelInfo, PairIds, Task
+from .protocol import ModelInfo, Task, marks
 from .tokens import TokenizerAdapter, pad_batch
 
 log = logging.getLogger("coalesce.kernels")
@@ -48,8 +48,9 @@ def padded_features(batch: Sequence[Sequence[int]], pad_id: int, token_type_ids:
     if token_type_ids:
         segments = np.zeros_like(ids)
         for row, seq in enumerate(batch):
-            if isinstance(seq, PairIds):
-                segments[row, seq.b_start : len(seq)] = 1
+            b_start = marks(seq)[0]
+            if b_start >= 0:
+                segments[row, b_start : len(seq)] = 1
         features["token_type_ids"] = torch.from_numpy(segments)
     return features
 

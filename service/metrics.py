@@ -53,6 +53,9 @@ class ModelSeries:
     batch_failures: Counter
     inputs: Counter
     tokens: Counter
+    cache_hits: Counter
+    cache_misses: Counter
+    deduplicated: Counter
 
 
 class Metrics:
@@ -134,6 +137,23 @@ class Metrics:
         self.inputs = Counter("coalesce_inputs_total", "Inputs computed.", ["model"], registry=r)
         self.tokens = Counter(
             "coalesce_tokens_total", "Real (unpadded) tokens computed.", ["model"], registry=r
+        )
+        # The result cache in front of the queue, and identical inputs computed once.
+        self.cache_hits = Counter(
+            "coalesce_cache_hits_total", "Inputs answered from the result cache.", ["model"], registry=r
+        )
+        self.cache_misses = Counter(
+            "coalesce_cache_misses_total", "Inputs looked up in the result cache and not found.", ["model"],
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "coalesce_cache_bytes", "Bytes held by the result cache (all models).",
+            multiprocess_mode="livesum", registry=r,
+        )
+        self.deduplicated = Counter(
+            "coalesce_deduplicated_inputs_total",
+            "Inputs identical to one already queued or running, computed once for every caller.",
+            ["model"], registry=r,
         )
         # Requests.
         self.requests = Counter(

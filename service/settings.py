@@ -182,6 +182,12 @@ class Settings:
         "/ready and /metrics stay open.",
         default=None,
     )
+    cache_mb: int = _knob(
+        "MiB of results kept in an exact-match cache in front of the queue (least recently used out): a "
+        "repeated input (same model, prompt, truncation and tokens) is answered without queueing. 0 "
+        "turns it off. Identical inputs in flight at the same moment are computed once either way.",
+        default=64,
+    )
     max_inputs: int = _knob("Most inputs in one request (OpenAI allows 2048).", default=2048)
     max_body_bytes: int = _knob(
         "Largest request body accepted (413 beyond). The default fits 2048 long inputs.",
@@ -354,6 +360,8 @@ def _validate(s: Settings) -> None:
     for name in ("max_batch_size", "max_batch_tokens", "max_queued_tokens", "max_inputs", "max_body_bytes"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be at least 1")
+    if s.cache_mb < 0:
+        problems.append("cache_mb must be >= 0")
     if s.dtype not in ("auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16"):
         problems.append("dtype must be auto, float32, float16 or bfloat16")
     if s.graph_capture_budget_s < 0 or s.graph_memory_budget_mb < 0:

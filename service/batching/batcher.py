@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from coalesce.kernels.protocol import marks
 
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
+from .cache import ResultCache
 from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
 
@@ -89,17 +92,61 @@ class _Job:
             self.future.set_exception(err)
 
 
+class _Work:
+    """One distinct input waiting or running, and every (request, position) waiting for its row.
+
+    Identical inputs of requests that overlap in time are computed once: a later one joins the
+    waiters of the work already queued (or running) instead of queueing again.
+    """
+
+    __slots__ = ("deadline", "entry", "ids", "key", "priority", "waiters")
+
+    def __init__(self, ids: Sequence[int], key: bytes, job: _Job, index: int, deadline: float | None,
+                 priority: int) -> None:
+        self.entry: Entry | None = None  # its place in the scheduler's queue
+        self.ids = ids
+        self.key = key
+        self.waiters = [(job, index)]
+        self.deadline = deadline
+        self.priority = priority
+
+    def abandoned(self) -> bool:
+        """Every request waiting for it has finished (failed, cancelled): nobody wants it now."""
+        return all(job.future.done() for job, _ in self.waiters)
+
+    def put(self, batch_rows: np.ndarray, row: int, queue_s: float, forward_s: float) -> None:
+        for job, index in self.waiters:
+            job.put(index, batch_rows, row, queue_s, forward_s)
+
+    def fail(self, err: BaseException) -> None:
+        for job, _ in self.waiters:
+            job.fail(err)
+
+
+def input_key(ids: Sequence[int]) -> bytes:
+    """What decides an input's row: its token ids, and where a pair's segment B or pooling starts."""
+    return array("i", (*marks(ids), *ids)).tobytes()
+
+
 class Batcher:
     """Forms and dispatches batches for one model."""
 
     def __init__(
-        self, engine: Engine, *, model: str, scheduler: Scheduler, metrics: Metrics
+        self,
+        engine: Engine,
+        *,
+        model: str,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        cache: ResultCache | None = None,
     ) -> None:
         self._engine = engine
         self.model = model
         self.scheduler = scheduler
         self._metrics = metrics
         self._series = metrics.model_series(model)
+        self._cache = cache if cache is not None and cache.capacity > 0 else None
+        self._inflight: dict[bytes, _Work] = {}  # queued or running, by input key
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -168,23 +215,59 @@ class Batcher:
         """Admit one request's inputs (complete id sequences), or raise why not before any work is done.
 
         The future resolves with every input's row, or with the first failure; cancelling it drops the
-        inputs still waiting. ``deadline`` is on the ``time.monotonic()`` clock.
+        inputs still waiting. Cached inputs are answered at once; an input identical to one already
+        queued or running (of any request) waits for that one. ``deadline`` is on ``time.monotonic()``.
         """
         self._refuse_if_closing()
         now = time.monotonic()
-        refusal = self.scheduler.admit((len(s) for s in seqs), tenant, deadline, now)
-        if refusal is not None:
-            self._metrics.rejected.labels(self.model, refusal.reason).inc()
-            raise _refusal_error(refusal, self.model)
+        cache, inflight = self._cache, self._inflight
+        keys = [input_key(ids) for ids in seqs]
+        hits: list[tuple[int, np.ndarray]] = []
+        shared: list[tuple[int, _Work]] = []
+        fresh: dict[bytes, list[int]] = {}  # distinct new inputs of this request, by key → positions
+        for i, key in enumerate(keys):
+            row = cache.get(self.model, key) if cache is not None else None
+            if row is not None:
+                hits.append((i, row))
+            elif key in fresh:
+                fresh[key].append(i)
+            elif (work := inflight.get(key)) is not None and priority >= work.priority:
+                shared.append((i, work))  # not more urgent than the work it joins
+            else:
+                fresh[key] = [i]
+        if fresh:
+            refusal = self.scheduler.admit((len(seqs[p[0]]) for p in fresh.values()), tenant, deadline, now)
+            if refusal is not None:
+                self._metrics.rejected.labels(self.model, refusal.reason).inc()
+                raise _refusal_error(refusal, self.model)
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         job = _Job(future, len(seqs))
         future.add_done_callback(self._on_job_done)
-        self.scheduler.add(
-            Entry(len(ids), now, tenant, weight, priority, deadline, payload=(job, i, ids), flow=job)
-            for i, ids in enumerate(seqs)
-        )
-        self._idle.clear()
-        self._wake.set()
+        series = self._series
+        if cache is not None:
+            series.cache_hits.inc(len(hits))
+            series.cache_misses.inc(len(seqs) - len(hits))
+        if shared or any(len(p) > 1 for p in fresh.values()):
+            series.deduplicated.inc(len(shared) + sum(len(p) - 1 for p in fresh.values()))
+        for i, work in shared:
+            work.waiters.append((job, i))
+            if deadline is None or (work.deadline is not None and deadline > work.deadline):
+                work.deadline = deadline
+                if work.entry is not None:
+                    self.scheduler.extend_deadline(work.entry, deadline)
+        entries = []
+        for key, positions in fresh.items():
+            work = _Work(seqs[positions[0]], key, job, positions[0], deadline, priority)
+            work.waiters += [(job, p) for p in positions[1:]]
+            inflight[key] = work
+            work.entry = Entry(len(work.ids), now, tenant, weight, priority, deadline, payload=work, flow=job)
+            entries.append(work.entry)
+        for i, row in hits:
+            job.put(i, row[None, :], 0, 0.0, 0.0)
+        if entries:
+            self.scheduler.add(entries)
+            self._idle.clear()
+            self._wake.set()
         return future
 
     def _on_job_done(self, fut: asyncio.Future[RequestResult]) -> None:
@@ -211,7 +294,9 @@ class Batcher:
         sched = self.scheduler
         if self._sweep:
             self._sweep = False
-            gone = sched.remove(lambda e: e.payload[0].future.done())
+            gone = sched.remove(lambda e: e.payload.abandoned())
+            for e in gone:
+                self._inflight.pop(e.payload.key, None)
             if gone:
                 self._metrics.rejected.labels(self.model, "cancelled").inc(len(gone))
         while True:
@@ -273,17 +358,17 @@ class Batcher:
             gauge.remove(self.model, tenant)
         self._tenant_series = set(waiting)
 
-    @staticmethod
-    def _answer(entries: Sequence[Entry], err: CoalesceError) -> None:
+    def _answer(self, entries: Sequence[Entry], err: CoalesceError) -> None:
         for e in entries:
-            e.payload[0].fail(err)
+            self._inflight.pop(e.payload.key, None)
+            e.payload.fail(err)
 
     async def _run_batch(self, batch: list[Entry], padded: int) -> None:
         m, model = self._series, self.model
         start = time.monotonic()
         seconds: float | None = None
         try:
-            out = await self._engine.run([e.payload[2] for e in batch])
+            out = await self._engine.run([e.payload.ids for e in batch])
         except Exception as exc:  # the runner's failure reaches exactly this batch
             m.batch_failures.inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
@@ -295,10 +380,15 @@ class Batcher:
             )
         else:
             seconds = out.forward_s
-            rows = out.rows
+            rows, cache, inflight = out.rows, self._cache, self._inflight
             for k, e in enumerate(batch):
-                job, index, _ = e.payload
-                job.put(index, rows, k, start - e.arrival, seconds)
+                work = e.payload
+                inflight.pop(work.key, None)
+                work.put(rows, k, start - e.arrival, seconds)
+                if cache is not None:
+                    cache.put(self.model, work.key, rows[k], len(work.key))
+            if cache is not None:
+                self._metrics.cache_bytes.set(cache.bytes)
             self._record(batch, padded, start, out)
         finally:
             self.scheduler.done(padded, seconds, time.monotonic())

@@ -240,6 +240,12 @@ class Scheduler:
         if self.inflight == 0:
             self.busy_until = now
 
+    def extend_deadline(self, e: Entry, deadline: float | None) -> None:
+        """Give a waiting entry a later deadline, or none (another request now waits for it too)."""
+        e.deadline = deadline
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), e))
+
     def remove(self, should_drop: Callable[[Entry], bool]) -> list[Entry]:
         """Take out waiting entries the caller no longer wants (their caller left)."""
         dropped = [e for e in self._waiting() if should_drop(e)]
@@ -279,7 +285,7 @@ class Scheduler:
         coef = self.cost.coef
         while heap:
             deadline, _, e = heap[0]
-            if e.taken:
+            if e.taken or e.deadline != deadline:  # gone, or its deadline was extended since
                 heapq.heappop(heap)
             elif deadline <= now:
                 expired.append(heapq.heappop(heap)[2])

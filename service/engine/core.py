@@ -17,6 +17,7 @@ from coalesce.kernels.protocol import ModelInfo, Runner
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 
 from ..batching.batcher import Batcher
+from ..batching.cache import ResultCache
 from ..batching.cost import CostModel
 from ..batching.policy import Limits
 from ..batching.scheduler import Scheduler, SchedulerConfig
@@ -50,6 +51,7 @@ class Engine:
         self._metrics = metrics
         self._factory = factory
         self.device = DeviceThread()
+        self.cache = ResultCache(settings.cache_mb << 20)  # shared by every model's batcher
         self.models: list[EngineModel] = []
         self._closed = False
 
@@ -70,7 +72,9 @@ class Engine:
             scheduler = Scheduler(
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
             )
-            batcher = Batcher(worker, model=runner.info.name, scheduler=scheduler, metrics=metrics)
+            batcher = Batcher(
+                worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache
+            )
             batcher.start()
             self.models.append(EngineModel(runner, worker, batcher))
             metrics.startup_seconds.labels(f"load:{runner.info.name}").set(t1 - t0)
