@@ -1,9 +1,14 @@
 """The graph runner: BERT-family sentence-transformers models on the graph-safe forward.
 
-On CUDA (with graphs on) each batch is padded up to its cell of the bucket grid and replayed from a
-captured graph; batches outside the grid, or in a cell the capture budget left out, run the same
-forward eagerly. On CPU, or with graphs off, the forward runs eagerly at the batch's own shape.
-Half precision (``float16``/``bfloat16``) is for CUDA; CPU always runs float32.
+On CUDA each batch is padded up to its cell of the bucket grid (or, past the grid's largest batch, to
+its sequence bucket) and, with graphs on, replayed from a captured graph; batches outside the grid, in a
+cell the capture budget left out, or with graphs off run the same forward eagerly at that padded shape.
+Eager batches keep to bucket shapes on CUDA because the attention torch picks there for half
+precision (cuDNN's, on sm90) builds a plan per distinct shape: tens of milliseconds of host time each,
+cached without bound, so exact shapes would pay it again and again. Rows past the batch are fully
+padded (length 0: the forward keeps them finite) and dropped. On CPU the forward runs at the batch's
+own shape (n × longest), where padding is only wasted work. Half precision (``float16``/``bfloat16``)
+is for CUDA; CPU always runs float32.
 
 Output is the model's full width (or its fixed ``truncate_dim``), L2-normalised when the model's
 pipeline normalises: per-request ``dimensions`` stay with the gateway, which truncates and
@@ -66,7 +71,7 @@ class EncoderBatch:
     lengths: torch.Tensor
     n: int  # real rows; rows past n are padding and never reach the results
     max_len: int  # longest real sequence
-    cell: Cell | None  # the graph cell the batch is padded to; None = eager
+    cell: Cell | None  # the grid cell the batch is padded to (CUDA); None: outside the grid, or CPU
 
 
 class EncoderEngine:
@@ -91,8 +96,9 @@ class EncoderEngine:
         self.pad_id = pad_id
         self.grid: BucketGrid | None = None
         self._graphs: CudaGraphs | None = None
-        if graphs.enabled and device.type == "cuda":
+        if device.type == "cuda":
             self.grid = BucketGrid.build(max_tokens, graphs.batch_sizes, graphs.seq_lens)
+        if graphs.enabled and self.grid is not None:
             self._graphs = CudaGraphs(
                 model,
                 device,
@@ -104,13 +110,13 @@ class EncoderEngine:
         self.capture_stats: CaptureStats = self._graphs.stats if self._graphs else CaptureStats()
 
     def padded_cost(self, n: int, max_len: int) -> int:
-        """Padded tokens the batch runs: its cell's area with graphs, else ``n × max_len``."""
+        """Padded tokens the batch runs: its padded shape's area on CUDA, else ``n × max_len``."""
         if self.grid is not None:
             return self.grid.padded_cost(n, max_len)
         return n * max_len
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> EncoderBatch:
-        """Pad to the batch's cell (graphs) or to its own longest sequence (eager)."""
+        """Pad to the batch's cell of the grid (CUDA) or to its own longest sequence (CPU)."""
         n = len(batch)
         max_len = max((len(seq) for seq in batch), default=0)
         cell: Cell | None = None
@@ -130,10 +136,9 @@ class EncoderEngine:
                 if out is not None:
                     return out
             self.capture_stats.eager_runs += 1
-            n, m = prepared.n, prepared.max_len
-            ids = prepared.ids[:n, :m].to(self.device, non_blocking=True)
-            lengths = prepared.lengths[:n].to(self.device, non_blocking=True)
-            return self.model(ids, lengths)
+            ids = prepared.ids.to(self.device, non_blocking=True)
+            lengths = prepared.lengths.to(self.device, non_blocking=True)
+            return self.model(ids, lengths)[: prepared.n]
 
     def finish(self, output: torch.Tensor, prepared: EncoderBatch) -> np.ndarray:
         """float32 (n, dim) on the host."""
@@ -150,8 +155,9 @@ class EncoderEngine:
             return
         with torch.inference_mode():
             for n, length in ((1, min(16, self.max_tokens)), (8, min(128, self.max_tokens))):
-                ids = torch.full((n, length), self.pad_id, dtype=torch.int64, device=self.device)
-                lengths = torch.full((n,), length, dtype=torch.int64, device=self.device)
+                rows, cols = self.grid.padded_shape(n, length) if self.grid is not None else (n, length)
+                ids = torch.full((rows, cols), self.pad_id, dtype=torch.int64, device=self.device)
+                lengths = torch.full((rows,), cols, dtype=torch.int64, device=self.device)
                 self.model(ids, lengths).cpu()
 
 

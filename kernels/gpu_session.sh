@@ -6,8 +6,19 @@
 #
 # Installs the bundle's wheels, writes random weights into its model directory, runs the GPU tests and
 # then gpu_check (correctness, capture cost, latency table, service throughput) against that model.
-# Under 4 minutes on an H200. Logs go to $OUT (or ./gpu-out); gpu_check's table prints last.
-# GPU_CHECK_ARGS adds gpu_check flags (a dry run here: GPU_CHECK_ARGS="--device cpu ...").
+#
+# Device time: at most 237 s of script (the step limits below, their kill graces included), about
+# 2.5-3 minutes expected on an H200; the machine's start comes on top. Give the device call a limit of
+# 300 s or more, so that this script's own limits, not the call's, are the ones that fire:
+#     install 15 s, weights 20 s, nvidia-smi 10 s, GPU tests 50 s, gpu_check 130 s (+ 2-3 s kill grace each)
+# gpu_check stops starting work 12 s before its limit (--time-limit-s), and waits at most 40 s for a
+# service to be ready.
+#
+# Everything lands in $OUT (or ./gpu-out) as it happens, so a step killed by its limit keeps what it
+# finished: machine.txt, gpu-tests.log, gpu_check's sections (header.txt, correctness.txt, capture.txt,
+# latency.txt, service.txt; a line at a time), its status.txt (complete, or where it stopped), the
+# services' logs (service-1.log, service-2.log) and gpu-check.err (progress and warnings).
+# GPU_CHECK_ARGS adds gpu_check flags, last, so they override (a CPU dry run: GPU_CHECK_ARGS="--device cpu ...").
 set -uo pipefail
 out=${OUT:-gpu-out}
 bundle=${GPU_BUNDLE:-.gpu}
@@ -15,33 +26,40 @@ py=${PYTHON:-python3}
 site=${GPU_SITE:-/tmp/coalesce-site}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+started=$SECONDS
 
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    "$bundle"/whl/*.whl || exit 1
+timeout -k 2 15 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$bundle"/whl/*.whl || exit 1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 model=$(realpath "$bundle/model")
-"$py" -m coalesce.kernels.gpu_bundle weights "$model" || exit 1
+timeout -k 2 20 "$py" -m coalesce.kernels.gpu_bundle weights "$model" || exit 1
 
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
-        || echo "no nvidia-smi"
-    "$py" -c 'import platform, torch, transformers, sentence_transformers as st
-print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
-      "transformers", transformers.__version__, "sentence-transformers", st.__version__)'
-} 2>&1 | tee "$out/machine.txt"
+timeout -k 2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+    --format=csv > "$out/machine.txt" 2>&1 || echo "no nvidia-smi" >> "$out/machine.txt"
+cat "$out/machine.txt"
 
-COALESCE_GPU_MODEL="$model" timeout 90 "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
-    2>&1 | tee "$out/gpu-tests.log"
+# -v: one line per test as it finishes, so a kill keeps the verdicts so far.
+COALESCE_GPU_MODEL="$model" timeout -k 3 50 "$py" -m pytest -m gpu tests/gpu -v --tb=short \
+    -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 tests=$?
 
-# Progress (stderr) shows as it happens and is kept; the table (stdout) prints once, at the end.
-# The service runs twice, one process and four (--workers): one event loop caps small requests/s.
+# gpu_check writes each section to $out as it goes; the services it starts log to $out/service-N.log.
+# The service runs twice, one process and four (--workers): one event loop caps small requests/s. A
+# short start-up capture budget: cells not captured by then are captured lazily under load.
 serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
-serve="$serve --log-level warning --shutdown-grace-s 0"
+serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5"
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout 210 "$py" -m coalesce.kernels.gpu_check --st-model "$model" --service-seconds 6 \
-    --service-cmd "$serve" --service-cmd "$serve --workers ${GPU_WORKERS:-4}" \
-    ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2) | tee "$out/gpu-check.txt"
+timeout -k 3 130 "$py" -m coalesce.kernels.gpu_check --st-model "$model" --out "$out" \
+    --time-limit-s 118 --service-ready-s 40 --capture-budget-s 10 --seconds-per-case 0.25 \
+    --service-seconds 4 --service-cmd "$serve" --service-cmd "$serve --workers ${GPU_WORKERS:-4}" \
+    ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
-echo "gpu tests: exit $tests; gpu_check: exit $check"
+# gpu_check stops its service on exit and on SIGTERM; after a SIGKILL (the kill grace ran out) the
+# service, in its own session, would outlive it: its process group id is left behind for this.
+if [ -s "$out/service.pgid" ]; then
+    kill -KILL -- "-$(cat "$out/service.pgid")" 2>/dev/null
+    echo "killed a service gpu_check left behind (process group $(cat "$out/service.pgid"))"
+    rm -f "$out/service.pgid"
+fi
+echo "gpu tests: exit $tests; gpu_check: exit $check ($(cat "$out/status.txt" 2>/dev/null)); $((SECONDS - started)) s"
 exit $(( tests || check ))

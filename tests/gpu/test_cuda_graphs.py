@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,25 +152,80 @@ def test_the_memory_budget_refuses_cells_that_would_exceed_it(hf: Any) -> None:
     assert (stats.lazy_captures, stats.eager_runs) == (0, 1)  # refused cells are not retried
 
 
-def test_a_failed_capture_leaves_the_model_serving_eagerly(hf: Any) -> None:
+def test_a_capture_that_grows_the_pool_past_the_budget_is_dropped(hf: Any) -> None:
+    model = _model(hf, torch.float32)
+    budget = 32 << 20
+    graphs = _engine(model, batch_sizes=(1, 4), seq_lens=(64,), budget_bytes=budget)
+
+    def hoarding(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = model(ids, lengths)
+        if torch.cuda.is_current_stream_capturing():  # the warm-up's peak does not show this
+            out = out + torch.zeros(16 << 20, device=ids.device)[0]  # 64 MiB held by the graph
+        return out
+
+    graphs._graphs._forward = hoarding  # type: ignore[union-attr]
+    graphs.warmup()
+    stats = graphs.capture_stats
+    assert (stats.cells_captured, stats.cells_over_memory, stats.capture_failures) == (0, 4, 0)
+    assert stats.bytes <= budget
+    batch = _batch(3, seed=6)
+    assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
+    assert (stats.graph_replays, stats.lazy_captures, stats.eager_runs) == (0, 0, 1)  # not retried
+
+
+def test_the_graphs_memory_is_their_pools_segments(hf: Any) -> None:
+    from coalesce.kernels.graphs import pool_usage
+
+    graphs = _engine(_model(hf, torch.float32), batch_sizes=(1, 4), seq_lens=(64,))
+    graphs.warmup()
+    runner = graphs._graphs
+    assert runner is not None
+    inputs = sum(c.static_bytes for c in runner._graphs.values())
+    assert graphs.capture_stats.bytes == pool_usage(runner._pool).reserved + inputs > inputs
+
+
+def test_a_host_sync_in_the_forward_is_caught_before_any_capture(hf: Any) -> None:
     model = _model(hf, torch.float32)
     graphs = _engine(model, batch_sizes=(1, 4), seq_lens=(64,))
-    calls = 0
+    captured: list[bool] = []
 
     def syncing(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        if calls > 6:  # after the first cells' warm-ups and captures went through
-            int(lengths.max())  # a host sync: fine eagerly, illegal while capturing
+        captured.append(torch.cuda.is_current_stream_capturing())
+        int(lengths.max())  # a host sync: fine eagerly, illegal while capturing
         return model(ids, lengths)
 
     graphs._graphs._forward = syncing  # type: ignore[union-attr]
     graphs.warmup()  # must not raise
+    assert captured and not any(captured)  # the warm-up under sync-debug "error" refused it first
+    assert torch.cuda.get_sync_debug_mode() == 0  # and the mode came back
     stats = graphs.capture_stats
     assert (stats.capture_failures, stats.cells_captured) == (1, 0)
     batch = _batch(3, seed=9)
     assert _min_cos(_embed(graphs, batch), _reference(hf, batch)) >= 0.99999
     assert (stats.graph_replays, stats.eager_runs, stats.capture_failures) == (0, 1, 1)  # no retry
+
+
+def test_a_capture_failing_inside_leaves_a_healthy_process() -> None:
+    """In a process of its own (``capture_failure_child.py``): if the unwinding missed anything, that
+    process is the one left with a stale capture, not this one and the tests after it."""
+    child = Path(__file__).with_name("capture_failure_child.py")
+    done = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=45)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("healthy")
+
+
+def test_eager_batches_on_cuda_run_at_their_cell(hf: Any) -> None:
+    model = _model(hf, torch.float32)
+    eager = _engine(model, enabled=False, batch_sizes=(1, 4, 16), seq_lens=(16, 64))
+    shapes: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    for n, seed in ((3, 11), (1, 12), (5, 13)):
+        batch = [seq[:60] for seq in _batch(n, seed=seed)]  # every row fits the 64 bucket
+        got = _embed(eager, batch)
+        assert got.shape == (n, 384) and torch.isfinite(got).all()
+        assert _min_cos(got, _reference(hf, batch)) >= 0.99999
+    assert [s[0] for s in shapes] == [4, 1, 16]  # rows padded up to the batch bucket
+    assert all(s[1] in (16, 64) for s in shapes)  # columns to the sequence bucket
 
 
 def test_the_service_loader_on_graphs_matches_encode() -> None:

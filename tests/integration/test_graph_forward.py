@@ -175,12 +175,34 @@ def test_a_pooling_the_forward_lacks_falls_back(
     assert any("pooling 'max'" in r.getMessage() for r in caplog.records)
 
 
-def test_gpu_check_runs_its_code_paths_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gpu_check_main(["--cpu-smoke"]) == 0
+def test_gpu_check_runs_its_code_paths_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    assert gpu_check_main(["--cpu-smoke", "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
     assert "ours eager = HF eager fp32 (float32)" in out
     assert "FAIL" not in out
     assert "latency, ms" in out and "service throughput" in out
+    # Each section in its own file, as printed; a row per latency shape; how the run ended.
+    sections = {p.stem: p.read_text() for p in out_dir.glob("*.txt")}
+    assert set(sections) == {"header", "correctness", "capture", "latency", "service", "status"}
+    assert all(sections[name] in out for name in ("header", "correctness", "latency", "service"))
+    assert "# SDPA: enabled" in sections["header"]
+    assert len(sections["latency"].splitlines()) == 2 + 4  # title, column heads, (1, 2) × (8, 16)
+    assert sections["capture"].startswith("capture: skipped")
+    assert sections["status"] == "complete: exit 0\n"
     with pytest.raises(SystemExit) as exit_info:
         gpu_check_main(["--help"])
     assert exit_info.value.code == 0
+
+
+def test_gpu_check_records_where_it_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import coalesce.kernels.gpu_check as gpu_check
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check, "time_shape", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check_main(["--cpu-smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "status.txt").read_text().startswith("stopped in latency: KeyboardInterrupt")
+    assert "ours eager = HF eager fp32" in (tmp_path / "correctness.txt").read_text()  # kept
