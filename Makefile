@@ -35,12 +35,12 @@ bench: $(STAMP)
 
 # The one-call GPU check (CUDA machine): correctness, latency table, capture cost, service throughput.
 gpu-check: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m coalesce.kernels.gpu_check --service-cmd "$(VENV)/bin/coalesce serve --port {port} --log-level warning"
+	HF_HUB_OFFLINE=1 $(PY) -m coalesce.loadtests.gpu.check --service-cmd "$(VENV)/bin/coalesce serve --port {port} --log-level warning"
 
 # What a session lent the GPU machine carries there (it lacks msgspec, structlog and the packaged model and
 # reaches no registry): .gpu/, then `bash kernels/gpu_session.sh` there with .gpu carried.
 gpu-bundle: $(STAMP)
-	$(PY) -m coalesce.kernels.gpu_bundle pack .gpu
+	$(PY) -m coalesce.loadtests.gpu.bundle pack .gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -7,12 +7,12 @@
 # Installs the bundle's wheels, writes random weights into its model directory, runs the GPU tests and
 # then gpu_check (correctness, capture cost, latency table, service throughput) against that model.
 #
-# Device time: at most 237 s of script (the step limits below, their kill graces included), about
-# 2.5-3 minutes expected on an H200; the machine's start comes on top. Give the device call a limit of
+# Device time: at most 242 s of script (the step limits below, their kill graces included), about
+# 3-3.5 minutes expected on an H200; the machine's start comes on top. Give the device call a limit of
 # 300 s or more, so that this script's own limits, not the call's, are the ones that fire:
-#     install 15 s, weights 20 s, nvidia-smi 10 s, GPU tests 50 s, gpu_check 130 s (+ 2-3 s kill grace each)
+#     install 15 s, weights 20 s, nvidia-smi 10 s, GPU tests 45 s, gpu_check 140 s (+ 2-3 s kill grace each)
 # gpu_check stops starting work 12 s before its limit (--time-limit-s), and waits at most 40 s for a
-# service to be ready.
+# service to be ready; the service rows that would end past its limit are skipped, saying so.
 #
 # Everything lands in $OUT (or ./gpu-out) as it happens, so a step killed by its limit keeps what it
 # finished: machine.txt, gpu-tests.log, gpu_check's sections (header.txt, correctness.txt, capture.txt,
@@ -32,26 +32,29 @@ timeout -k 2 15 "$py" -m pip install -q --no-index --no-deps --no-compile --no-c
     --target "$site" "$bundle"/whl/*.whl || exit 1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 model=$(realpath "$bundle/model")
-timeout -k 2 20 "$py" -m coalesce.kernels.gpu_bundle weights "$model" || exit 1
+timeout -k 2 20 "$py" -m coalesce.loadtests.gpu.bundle weights "$model" || exit 1
 
 timeout -k 2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
     --format=csv > "$out/machine.txt" 2>&1 || echo "no nvidia-smi" >> "$out/machine.txt"
 cat "$out/machine.txt"
 
 # -v: one line per test as it finishes, so a kill keeps the verdicts so far.
-COALESCE_GPU_MODEL="$model" timeout -k 3 50 "$py" -m pytest -m gpu tests/gpu -v --tb=short \
+COALESCE_GPU_MODEL="$model" timeout -k 3 45 "$py" -m pytest -m gpu tests/gpu -v --tb=short \
     -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 tests=$?
 
 # gpu_check writes each section to $out as it goes; the services it starts log to $out/service-N.log.
-# The service runs twice, one process and four (--workers): one event loop caps small requests/s. A
-# short start-up capture budget: cells not captured by then are captured lazily under load.
+# The service runs three times: one process, then 4 and 8 gateways in front of one engine process
+# (--workers): one event loop caps small requests/s, and the engine's one queue keeps batches whole.
+# Each row gives throughput, mean batch size, and the GPU memory in use. A short start-up capture
+# budget: cells not captured by then are captured lazily under load.
 serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
 serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5"
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-timeout -k 3 130 "$py" -m coalesce.kernels.gpu_check --st-model "$model" --out "$out" \
-    --time-limit-s 118 --service-ready-s 40 --capture-budget-s 10 --seconds-per-case 0.25 \
-    --service-seconds 4 --service-cmd "$serve" --service-cmd "$serve --workers ${GPU_WORKERS:-4}" \
+timeout -k 3 140 "$py" -m coalesce.loadtests.gpu.check --st-model "$model" --out "$out" \
+    --time-limit-s 128 --service-ready-s 40 --capture-budget-s 10 --seconds-per-case 0.25 \
+    --service-seconds 3 --concurrency 64,256 --service-cmd "$serve" \
+    --service-cmd "$serve --workers ${GPU_WORKERS:-4}" --service-cmd "$serve --workers ${GPU_WORKERS_MAX:-8}" \
     ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
 # gpu_check stops its service on exit and on SIGTERM; after a SIGKILL (the kill grace ran out) the

@@ -296,7 +296,7 @@ def kernels(args: argparse.Namespace) -> tuple[str, str]:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "coalesce.kernels.gpu_check", "--device", "cpu", "--threads", "2",
+    cmd = [sys.executable, "-m", "coalesce.loadtests.gpu.check", "--device", "cpu", "--threads", "2",
            "--batch-sizes", "1,4,16,64", "--seq-lens", "16,64,128", "--seconds-per-case", "2.0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})

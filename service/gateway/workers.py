@@ -49,6 +49,17 @@ def child_command(argv: Sequence[str], role: str, engine_dir: str, workers: int,
     return [sys.executable, "-m", "coalesce.service.cli", "serve", *argv, *extra]
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGKILL when the supervisor dies, even by SIGKILL itself (Linux), so no
+    engine or gateway outlives it holding the port or the GPU."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the supervisor's SIGTERM forwarding is all there is
+
+
 def supervise(settings: Settings, argv: Sequence[str]) -> int:
     from prometheus_client import multiprocess
 
@@ -76,12 +87,13 @@ def supervise(settings: Settings, argv: Sequence[str]) -> int:
         # Own sessions: a terminal's Ctrl-C reaches the supervisor alone, which forwards it once
         # (a second signal would make a gateway skip its grace delay).
         engine = subprocess.Popen(
-            child_command(argv, "engine", engine_dir, settings.workers), env=env, start_new_session=True
+            child_command(argv, "engine", engine_dir, settings.workers), env=env, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         for i in range(settings.workers):
             child = subprocess.Popen(
                 child_command(argv, "gateway", engine_dir, settings.workers, i), env=env,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )
             gateways[child.pid] = child
         if signalled:  # a signal came while children were starting: make sure each gateway has it

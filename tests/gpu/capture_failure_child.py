@@ -13,8 +13,8 @@ import torch
 from coalesce.kernels.bert import GraphSafeBert
 from coalesce.kernels.buckets import GraphOptions
 from coalesce.kernels.encoder_runner import EncoderEngine
-from coalesce.kernels.gpu_check import hf_embed, load_config, random_bert
 from coalesce.kernels.graphs import pool_usage
+from coalesce.loadtests.gpu.check import hf_embed, load_config, random_bert
 
 CUDA = torch.device("cuda")
 

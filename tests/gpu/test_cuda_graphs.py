@@ -19,7 +19,7 @@ import torch
 from coalesce.kernels.bert import GraphSafeBert
 from coalesce.kernels.buckets import GraphOptions
 from coalesce.kernels.encoder_runner import EncoderEngine
-from coalesce.kernels.gpu_check import hf_embed, load_config, random_bert
+from coalesce.loadtests.gpu.check import hf_embed, load_config, random_bert
 
 pytestmark = [
     pytest.mark.gpu,

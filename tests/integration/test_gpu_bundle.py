@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from coalesce.kernels.fastload import build_fast_encoder_runner
-from coalesce.kernels.gpu_bundle import main as bundle_main
-from coalesce.kernels.gpu_check import main as gpu_check_main
+from coalesce.loadtests.gpu.bundle import main as bundle_main
+from coalesce.loadtests.gpu.check import main as gpu_check_main
 
 TEXTS = ["hello", "graphs replay kernels without the host", "padding " * 40, "a b c"]
 

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from coalesce.kernels import service_load
+from coalesce.loadtests.gpu import service_load
 
 STUB = Path(__file__).with_name("stub_service.py")
 STUB_CLIENT = Path(__file__).with_name("stub_load_client.py")
 
 
 def _gpu_check(out: Path, events: Path, *flags: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "coalesce.kernels.gpu_check", "--sections", "service", "--device", "cpu",
+    cmd = [sys.executable, "-m", "coalesce.loadtests.gpu.check", "--sections", "service", "--device", "cpu",
            "--out", str(out), "--service-cmd", f"{sys.executable} {STUB} --port {{port}}", *flags]
     return subprocess.Popen(cmd, env={**os.environ, "STUB_EVENTS": str(events)}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -69,10 +69,11 @@ def test_service_rows_come_from_clients_started_together(tmp_path: Path) -> None
     assert proc.returncode == 0, output
     rows = (out / "service.txt").read_text().splitlines()
     assert rows[0].startswith("service throughput")
-    assert [row.split(":")[0].strip() for row in rows[1:]] == ["1 clients", "3 clients"]
-    for row in rows[1:]:
+    assert [row.split(":")[0].strip() for row in rows[1:]] == ["1 clients", "3 clients", "GPU memory used"]
+    for row in rows[1:3]:
         rate = float(re.search(r"([\d,]+) embeddings/s", row).group(1).replace(",", ""))  # type: ignore[union-attr]
         assert rate > 0 and row.endswith("errors 0"), row
+    assert rows[3].endswith("- (no nvidia-smi)") or "MiB" in rows[3]
     assert (out / "status.txt").read_text().strip() == "complete: exit 0"
     assert "stub service listening" in (out / "service-1.log").read_text()  # not in gpu_check's output
     assert "stub service listening" not in output

@@ -15,9 +15,9 @@ import torch
 from coalesce.kernels.bert import GraphSafeBert
 from coalesce.kernels.buckets import pad_to_shape
 from coalesce.kernels.encoder_runner import EncoderRunner, build_encoder_runner
-from coalesce.kernels.gpu_check import main as gpu_check_main
 from coalesce.kernels.protocol import Runner
 from coalesce.kernels.st_runner import default_model_path
+from coalesce.loadtests.gpu.check import main as gpu_check_main
 
 COSINE = 0.99999
 # Each word is one token for this model's vocabulary, so k words make k + 2 tokens with [CLS]/[SEP].
@@ -196,7 +196,7 @@ def test_gpu_check_runs_its_code_paths_on_cpu(capsys: pytest.CaptureFixture[str]
 
 
 def test_gpu_check_records_where_it_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import coalesce.kernels.gpu_check as gpu_check
+    import coalesce.loadtests.gpu.check as gpu_check
 
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt

