@@ -102,6 +102,11 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         "--text-file", default=None, help="corpus: its lines are sent as inputs instead of generated words"
     )
     g.add_argument("--encoding-format", choices=("base64", "float"), default=d.encoding_format)
+    g.add_argument(
+        "--repeat", type=float, default=d.repeat,
+        help="share of requests (0..1) that resend an earlier request's body: what a result cache "
+        "answers (default 0: every request fresh)",
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g = p.add_argument_group("client")
     g.add_argument(

@@ -26,6 +26,7 @@ from coalesce.loadtests.workload import (
     Mix,
     Payload,
     PayloadFactory,
+    PayloadStream,
     TextSource,
     TraceEntry,
     read_trace,
@@ -69,7 +70,7 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     encoding_format: str = "base64"
     timeout: float = 60.0
     max_inflight: int = 1024
-    pool_size: int = 512
+    repeat: float = 0.0  # share of requests that resend an earlier request's body (a cache's hits)
     seed: int = 0
     cost_per_hour: float | None = None
 
@@ -242,8 +243,7 @@ class Runner:
             self._trace = read_trace(Path(s.trace))
             replay = [factory.for_lengths(e.lengths) for e in self._trace]
             return replay.__getitem__
-        pool = factory.pool(s.mix, self.rng, s.pool_size, s.inputs_per_request)
-        return lambda i: pool[i % len(pool)]
+        return PayloadStream(factory, s.mix, self.rng, s.inputs_per_request, s.repeat)
 
     async def _steps(
         self,

@@ -174,3 +174,45 @@ class PayloadFactory:
     ) -> list[Payload]:
         """``size`` distinct payloads that a run cycles through."""
         return [self.for_mix(mix, rng, inputs_per_request) for _ in range(size)]
+
+
+class PayloadStream:
+    """A run's requests one after another: each a fresh payload of the mix, except that a share
+    ``repeat`` of them resend, byte for byte, a body sent earlier in the run.
+
+    Fresh payloads by default, so a result cache in the server under test answers nothing it should
+    not (a cycling pool would turn a long run into cache hits); ``repeat`` measures what a cache saves.
+    A repeat picks among the last ``keep`` distinct payloads, so memory stays bounded however long the
+    run. Deterministic for a seed.
+    """
+
+    def __init__(
+        self,
+        factory: PayloadFactory,
+        mix: Mix,
+        rng: random.Random,
+        inputs_per_request: int | None = None,
+        repeat: float = 0.0,
+        keep: int = 8192,
+    ) -> None:
+        if not 0.0 <= repeat < 1.0:
+            raise ValueError(f"repeat must be in [0, 1), got {repeat}")
+        self._factory = factory
+        self._mix = mix
+        self._rng = rng
+        self._k = inputs_per_request
+        self._repeat = repeat
+        self._sent: list[Payload] = []
+        self._keep = keep
+        self._next_slot = 0
+
+    def __call__(self, _index: int = 0) -> Payload:
+        if self._sent and self._repeat and self._rng.random() < self._repeat:
+            return self._rng.choice(self._sent)
+        payload = self._factory.for_mix(self._mix, self._rng, self._k)
+        if len(self._sent) < self._keep:
+            self._sent.append(payload)
+        else:
+            self._sent[self._next_slot] = payload
+            self._next_slot = (self._next_slot + 1) % self._keep
+        return payload

@@ -3,8 +3,9 @@
 ``kernels/`` never imports aiohttp, and the GPU machine lacks the load generator's dependencies, so
 this drives the service with ``http.client`` keep-alive connections: one thread per concurrent client,
 spread over several client processes so the client's GIL is not the bottleneck. Each request embeds
-one short input (``/v1/embeddings``, base64, the official client's default). Closed loop measures
-throughput; latency figures here hide queueing (use the open-loop load generator for latency).
+one short input, a different one each time (``/v1/embeddings``, base64, the official client's
+default). Closed loop measures throughput; latency figures here hide queueing (use the open-loop load
+generator for latency).
 
 A client process is ``python -m coalesce.loadtests.gpu.service_load client ...``: standard library only, so
 it starts in tens of milliseconds (a multiprocessing child would re-import ``gpu_check``, torch
@@ -272,7 +273,7 @@ def _collect(lines: queue.Queue[tuple[int, str]], word: str, count: int, deadlin
 def _client_process(url: str, model: str, threads: int, seconds: float) -> int:
     """One client process: connect ``threads`` clients, say ``ready``, wait for ``go`` on stdin, run
     them for ``seconds``, print ``result`` and a JSON object of per-client lists."""
-    body = json.dumps({"model": model, "input": _TEXT, "encoding_format": "base64"}).encode()
+    head = json.dumps({"model": model, "encoding_format": "base64"})[:-1].encode()  # '{...' without '}'
     parts = urlsplit(url)
     conns = [http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
                                         timeout=_REQUEST_TIMEOUT_S) for _ in range(threads)]
@@ -297,6 +298,9 @@ def _client_process(url: str, model: str, threads: int, seconds: float) -> int:
             try:
                 if conn.sock is None:  # reconnecting after an error
                     _connect(conn)
+                # A different text each time (the service caches results and computes identical
+                # inputs in flight once: repeating one text would measure the cache, not the model).
+                body = head + f', "input": "{_TEXT} {os.getpid()} {i} {done[i] + errors[i]}"}}'.encode()
                 conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 resp.read()

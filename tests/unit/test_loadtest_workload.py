@@ -104,3 +104,21 @@ def test_a_corpus_file_supplies_the_inputs(tmp_path: Path) -> None:
     assert texts == {"alpha beta gamma", "delta epsilon"}
     replayed = msgspec.json.decode(factory.for_lengths([4]).body)["input"].split()
     assert len(replayed) == 4 and set(replayed) <= {"alpha", "beta", "gamma", "delta", "epsilon"}
+
+
+def test_a_stream_sends_fresh_payloads_unless_asked_to_repeat() -> None:
+    from coalesce.loadtests.workload import PayloadStream
+
+    def bodies(repeat: float) -> list[bytes]:
+        stream = PayloadStream(PayloadFactory(TextSource(random.Random(1)), "m"), Mix.SHORT,
+                               random.Random(2), repeat=repeat, keep=100)
+        return [stream(i).body for i in range(2000)]
+
+    fresh = bodies(0.0)
+    assert len(set(fresh)) == len(fresh), "a cache on the server must have nothing to answer"
+    mixed = bodies(0.3)
+    repeats = len(mixed) - len(set(mixed))
+    assert 0.25 * len(mixed) < repeats < 0.35 * len(mixed)
+    assert mixed == bodies(0.3), "deterministic for a seed"
+    with pytest.raises(ValueError):
+        PayloadStream(PayloadFactory(TextSource(random.Random(1)), "m"), Mix.SHORT, random.Random(2), repeat=1.0)
