@@ -157,13 +157,13 @@ async def test_concurrent_classify_and_rerank_batch_together_and_stay_matched(
 
         async def classify_one(text: str) -> np.ndarray:
             async with s.post(server.url + "/classify", json={"model": "clf", "input": text}) as r:
-                assert r.status == 200
+                assert r.status == 200, await r.text()
                 return by_label((await r.json())["data"][0])
 
         async def rerank_two(i: int) -> list[tuple[int, float]]:
             body = {"model": "rr", "query": QUERY, "documents": [docs[i], docs[i + 1]]}
             async with s.post(server.url + "/rerank", json=body) as r:
-                assert r.status == 200
+                assert r.status == 200, await r.text()
                 return [(i + x["index"], x["relevance_score"]) for x in (await r.json())["results"]]
 
         GATE.clear()  # hold the device: every request below must queue before any batch runs

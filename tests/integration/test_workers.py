@@ -175,6 +175,7 @@ def _shape(status: int, body: dict[str, Any], headers: Any) -> tuple[Any, ...]:
 async def _refusals(url: str) -> dict[str, tuple[Any, ...]]:
     """Provoke each refusal: a 200 ms batch holds the model while the rest arrive."""
     long_text = " ".join(["word"] * 30)  # 32 tokens with [CLS] and [SEP]
+    other_long = " ".join(["page"] * 30)  # as long, but not the same input (that would wait for it)
     mid_text = " ".join(["word"] * 18)  # 20 tokens
     out = {}
     async with aiohttp.ClientSession() as s:
@@ -187,8 +188,8 @@ async def _refusals(url: str) -> dict[str, tuple[Any, ...]]:
         # (refusal, what waits, headers of the waiting and refused requests): the queue takes 60
         # tokens, a named tenant 30.
         for name, waiting, refused, first, then in (
-            ("queue_full", long_text, long_text, {}, {}),
-            ("tenant_queue_full", mid_text, long_text, {"X-Tenant": "t"}, {"X-Tenant": "t"}),
+            ("queue_full", long_text, other_long, {}, {}),
+            ("tenant_queue_full", mid_text, other_long, {"X-Tenant": "t"}, {"X-Tenant": "t"}),
             ("deadline_unmeetable", long_text, "a short query", {}, {"X-Request-Timeout": "60"}),
         ):
             busy = asyncio.ensure_future(post("holds the model", **first))
@@ -218,7 +219,7 @@ async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(
         busy = asyncio.ensure_future(s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": "busy"}))
         await asyncio.sleep(0.05)
         leaver = asyncio.ensure_future(
-            s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": ["gone"] * 5})
+            s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": [f"gone {i}" for i in range(5)]})
         )
         await asyncio.sleep(0.05)
         leaver.cancel()  # the client hangs up while its inputs wait behind the busy batch
@@ -271,8 +272,9 @@ async def test_a_gateway_that_dies_has_its_queued_work_dropped_and_takes_the_rep
     # Many connections, so the kernel hands some to each gateway; each request queues 4 inputs.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         tasks = [
-            asyncio.ensure_future(s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": ["q"] * 4}))
-            for _ in range(16)
+            asyncio.ensure_future(s.post(r.url + "/v1/embeddings",
+                                         json={"model": MODEL, "input": [f"q {n} {i}" for i in range(4)]}))
+            for n in range(16)
         ]
         await asyncio.sleep(0.5)
         os.kill(victim, signal.SIGKILL)

@@ -116,7 +116,11 @@ def shared_server() -> ServerThread:
     from coalesce.service.settings import build
 
     argv = ["--model", "default", "--model", f"clf={classifier_dir()}", "--model", f"rr={reranker_dir()}"]
-    return ServerThread(build([*argv, "--max-batch-size", "32"], environ={}), load).start()
+    # A long deadline: tests hold the device (GatedRunner) for as long as a loaded machine needs to
+    # queue their requests, and the cost model learns from that held batch; with the default 30 s it
+    # could predict the held-up queue past the deadline and shed it (correctly, but not what they test).
+    flags = ["--max-batch-size", "32", "--request-timeout-ms", "600000"]
+    return ServerThread(build([*argv, *flags], environ={}), load).start()
 
 
 def stop_shared_server() -> None:
