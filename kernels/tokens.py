@@ -82,6 +82,11 @@ class TokenizerAdapter:
         return full[:i], full[i + len(a.ids) : j], full[j + len(b.ids) :]
 
     # -- public --------------------------------------------------------------------------------------
+    def to_str(self) -> str:
+        """The tokenizer this adapter encodes with, as ``tokenizer.json`` text (what ``coalesce export``
+        writes, so a torch-free process tokenises exactly as this one does)."""
+        return self._tok.to_str()
+
     @property
     def specials(self) -> int:
         return len(self.prefix) + len(self.suffix)

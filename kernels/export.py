@@ -1,0 +1,477 @@
+"""``coalesce export``: a model directory → a self-contained ONNX directory that ``--backend onnx`` serves.
+
+    coalesce export --model PATH_OR_NAME --out DIR [--quantize int8] [--task embed|classify|rerank]
+
+The graph comes from torch's own exporter (``torch.onnx.export``, the ``torch.export``-based path):
+the maintained exporter that ships with the torch already installed. ``optimum-onnx`` would have
+been the library of choice, but its current release requires transformers < 4.58 and would downgrade
+the transformers 5 this project runs on.
+
+What is exported is what the torch backend serves, measured on it:
+
+* embedding models (sentence-transformers layout): the whole module pipeline, so pooling, any Dense
+  layer and normalisation run inside the graph (``sentence_embedding`` out); the manifest takes its
+  width, max length and normalisation from the loaded ``SentenceTransformer``;
+* classifiers and cross-encoders (``*ForSequenceClassification``): the model built by the torch
+  runner, logits out, with ``token_type_ids`` when the model uses segments; labels and activation
+  come from that runner.
+
+``tokenizer.json`` is the tokenizer the torch runner tokenises with (its normalisation settings
+and sentence-transformers' ``do_lower_case`` applied), so the serving side reads one file and cannot
+drift; the source's tokenizer and sentence-transformers configuration files are copied beside it
+(``config_sentence_transformers.json`` whole, prompts included). Before anything is written to
+``--out``, the export is served from a staging folder by the real ONNX runner and compared with the
+torch model on mixed-length, padded and truncated inputs; a graph that does not reproduce it is an
+error. ``--quantize int8`` quantises the weights dynamically (ONNX Runtime's ``quantize_dynamic``) and
+reports its cosine to the float model. Export imports torch; serving the result does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import io
+import json
+import logging
+import re
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .onnx_runner import GRAPH_FILE, ExportManifest, load_onnx_runner
+from .protocol import PairIds, Task
+from .tokens import TokenizerAdapter
+
+log = logging.getLogger("coalesce.kernels")
+
+# Files copied from the source next to the graph (when present): tokenizer side and model facts.
+_TOKENIZER_FILES = (
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json",
+    "merges.txt", "sentencepiece.bpe.model", "spiece.model",
+)
+_ST_FILES = ("modules.json", "config_sentence_transformers.json")
+# fp32 must reproduce torch; int8 must stay recognisably the same model (it reports its cosine).
+FP32_MIN_COSINE = 0.9999
+INT8_MIN_COSINE = 0.9
+LOGITS_TOLERANCE = 1e-3  # classifiers: fp32 logits within this fraction of the largest logit
+_LONG = " ".join(["river", "house", "green", "tree"] * 300)  # past every model's maximum
+PROBE_TEXTS = (
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Crème brûlée at the CAFÉ, naïve façade — 你好世界 🚀",
+    _LONG,
+    "a b c",
+)
+PROBE_PAIRS = (
+    ("how do plants make oxygen", "Photosynthesis splits water and releases oxygen."),
+    ("hello", "a b c"),
+    ("what is a printing press", _LONG),
+)
+
+
+class ExportError(Exception):
+    """The model cannot be exported; the message names it and says why (no traceback for users)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """The torch side of an export: the module to trace, and what the manifest says about it."""
+
+    module: Any  # torch.nn.Module taking the graph inputs as keyword arguments
+    inputs: tuple[str, ...]
+    output: str
+    tokens: TokenizerAdapter
+    manifest: ExportManifest  # name, task and facts; checks and quantize are filled in later
+    transformer_dir: Path  # where config.json and the tokenizer files live
+    reference: Callable[[], np.ndarray]  # the torch model's rows for the probes
+    probe: Callable[[Any], np.ndarray]  # a runner's rows for the same probes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="coalesce export",
+        description="Write a model as a self-contained ONNX directory that `coalesce serve --backend onnx` "
+        "serves without torch (see coalesce.kernels.export).",
+    )
+    parser.add_argument("--model", required=True,
+                        help="model directory, 'default' (the packaged all-MiniLM-L6-v2) or a hub name")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write (created if missing)")
+    parser.add_argument("--quantize", choices=("none", "int8"), default="none",
+                        help="int8: dynamic int8 weights, faster at large batches, cosine to float ~0.98")
+    parser.add_argument("--task", choices=("embed", "classify", "rerank"), default=None,
+                        help="what the model does (default: detected from the directory, as serve does)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a sentence-transformers model run its own module code (code you trust)")
+    parser.add_argument("--verbose", action="store_true", help="show the exporter's own output and traceback")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    t0 = time.perf_counter()
+    try:
+        manifest = export_model(args.model, args.out, quantize=args.quantize, task=args.task,
+                                trust_remote_code=args.trust_remote_code, verbose=args.verbose)
+    except ExportError as exc:
+        if args.verbose:
+            raise
+        print(f"coalesce export: {exc}", file=sys.stderr)
+        return 1
+    precision = "int8" if manifest.quantize == "int8" else "fp32"
+    print(f"exported {manifest.name} ({manifest.task}, {precision}) to {args.out} in "
+          f"{time.perf_counter() - t0:.1f} s; against torch: {_describe(manifest.checks)}")
+    print(f"serve it with: coalesce serve --backend onnx --model {args.out}")
+    return 0
+
+
+def export_model(
+    model: str,
+    out: Path,
+    *,
+    quantize: str = "none",
+    task: str | None = None,
+    trust_remote_code: bool = False,
+    verbose: bool = False,
+) -> ExportManifest:
+    """Export ``model`` into ``out``; returns the manifest written. Raises :class:`ExportError`."""
+    path, name, aliases = _resolve(model)
+    out = Path(out)
+    if out.resolve() == Path(path).resolve():
+        raise ExportError(f"model {model!r}: --out is the model's own directory; export it elsewhere")
+    from .hf_runners import detect_task
+
+    chosen = Task(task) if task else detect_task(path)
+    with _quiet(verbose):
+        try:
+            if chosen is Task.EMBED:
+                source = _embedding_source(path, name, aliases, trust_remote_code)
+            else:
+                source = _classifier_source(path, name, aliases, chosen)
+        except ExportError:
+            raise
+        except Exception as exc:
+            raise ExportError(f"model {model!r}: cannot load it with torch: {_reason(exc)}") from exc
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".coalesce-export-", dir=out.parent) as tmp:
+            staging = Path(tmp)
+            try:
+                _export_graph(source, staging / GRAPH_FILE)
+            except Exception as exc:
+                reason = _reason(exc)
+                raise ExportError(f"model {model!r}: the ONNX exporter cannot handle it: {reason}") from exc
+            _write_support_files(source, path, staging)
+            source.manifest.write(staging)
+            checks = {"fp32_" + k: v for k, v in _check(source, staging, model).items()}
+            if checks.get("fp32_cosine_min", 1.0) < FP32_MIN_COSINE or checks.get("fp32_logit_error", 0.0) > (
+                LOGITS_TOLERANCE
+            ):
+                raise ExportError(f"model {model!r}: the exported graph does not reproduce the torch model "
+                                  f"({_describe(checks)})")
+            if quantize == "int8":
+                fp32 = staging / "model.fp32.onnx"
+                (staging / GRAPH_FILE).rename(fp32)
+                _quantize(fp32, staging / GRAPH_FILE)
+                fp32.unlink()
+                checks.update({"int8_" + k: v for k, v in _check(source, staging, model).items()})
+                if checks.get("int8_cosine_min", 1.0) < INT8_MIN_COSINE:
+                    raise ExportError(
+                        f"model {model!r}: int8 quantisation loses too much (cosine to torch "
+                        f"{checks['int8_cosine_min']:.4f} < {INT8_MIN_COSINE}); export it in fp32"
+                    )
+            manifest = replace(source.manifest, quantize=quantize, checks=checks)
+            manifest.write(staging)
+            _move_into(staging, out)
+    return manifest
+
+
+# -- sources -------------------------------------------------------------------------------------------
+def _resolve(model: str) -> tuple[str, str, tuple[str, ...]]:
+    """(directory, default served name, aliases) for a directory, 'default' or a hub name."""
+    from .st_runner import default_model_path, model_name_from_path
+
+    if model in ("", "default"):
+        return default_model_path(), "all-MiniLM-L6-v2", ("sentence-transformers/all-MiniLM-L6-v2",)
+    if Path(model).is_dir():
+        return model, model_name_from_path(model), ()
+    if Path(model).exists() or model.startswith((".", "/")) or model.count("/") > 1:
+        raise ExportError(f"model {model!r}: not a model directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model), model.rsplit("/", 1)[-1], ()
+    except Exception as exc:
+        raise ExportError(f"model {model!r}: not a directory, and not found on the hub or in its cache: "
+                          f"{_reason(exc)}") from exc
+
+
+def _embedding_source(path: str, name: str, aliases: tuple[str, ...], trust_remote_code: bool) -> _Source:
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from tokenizers import Tokenizer
+
+    st = SentenceTransformer(
+        path, device="cpu", local_files_only=True, trust_remote_code=trust_remote_code
+    ).eval()
+    transformer = st[0]
+    hf_model: Any = getattr(transformer, "auto_model", None)
+    hf_tok: Any = getattr(transformer, "tokenizer", None)
+    if hf_model is None or getattr(hf_tok, "backend_tokenizer", None) is None:
+        raise ExportError(f"model {path!r}: its first module is not a Transformer with a fast tokenizer")
+    root = Path(path)
+    tdir = root / (_modules(root)[0].get("path") or "") if (root / "modules.json").is_file() else root
+    positions = int(getattr(hf_model.config, "max_position_embeddings", 0) or 0) or 1 << 20
+    max_tokens = min(int(st.max_seq_length or hf_tok.model_max_length), positions)
+    rows = int(hf_model.get_input_embeddings().num_embeddings)
+    tok = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
+    pad = hf_tok.pad_token_id
+    tokens = TokenizerAdapter.from_tokenizer(
+        tok, max_tokens, pad_id=int(pad) if pad is not None else 0,
+        vocab_size=min(max(len(hf_tok), tok.get_vocab_size(with_added_tokens=True)), rows),
+        lowercase=bool(getattr(transformer, "do_lower_case", False)),
+    )
+    inputs = ("input_ids", "attention_mask") + (
+        ("token_type_ids",) if "token_type_ids" in hf_tok.model_input_names else ()
+    )
+    dim_of = getattr(st, "get_embedding_dimension", None) or st.get_sentence_embedding_dimension
+
+    class Embedder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.st = st
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
+            features = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if token_type_ids is not None:
+                features["token_type_ids"] = token_type_ids
+            return self.st(features)["sentence_embedding"]
+
+    manifest = ExportManifest(
+        name=name, task=str(Task.EMBED), max_tokens=max_tokens, vocab_size=tokens.vocab_size,
+        dim=int(dim_of() or 0), pad_id=tokens.pad_id, inputs=inputs, output="sentence_embedding",
+        normalized=any(type(m).__name__ == "Normalize" for m in st), aliases=aliases, source=path,
+        versions=_versions(),
+    )
+    return _Source(
+        module=Embedder().eval(), inputs=inputs, output="sentence_embedding", tokens=tokens,
+        manifest=manifest, transformer_dir=tdir,
+        reference=lambda: np.asarray(st.encode(list(PROBE_TEXTS), batch_size=len(PROBE_TEXTS))),
+        probe=lambda onnx: _run(onnx, [onnx.with_special_tokens(i) for i in onnx.tokenize(PROBE_TEXTS)]),
+    )
+
+
+def _classifier_source(path: str, name: str, aliases: tuple[str, ...], task: Task) -> _Source:
+    import torch
+
+    from .hf_runners import SequenceClassifierRunner, _activation
+
+    runner = SequenceClassifierRunner(path, name=name, task=task, device="cpu", aliases=aliases)
+    model = runner.model.eval()
+    config = model.config.to_dict()
+    segments = "token_type_ids" in runner.hf_tokenizer.model_input_names and (
+        int(config.get("type_vocab_size") or 0) >= 2
+    )
+    inputs = ("input_ids", "attention_mask") + (("token_type_ids",) if segments else ())
+    rows = int(model.get_input_embeddings().num_embeddings)
+
+    class Classifier(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
+            extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+
+    info = runner.info
+    root = Path(path)
+    manifest = ExportManifest(
+        name=name, task=str(task), max_tokens=info.max_tokens, vocab_size=min(info.vocab_size, rows),
+        dim=info.dim, pad_id=runner.tokens.pad_id, inputs=inputs, output="logits", labels=info.labels,
+        activations={str(t): _activation(root, config, t) for t in (Task.CLASSIFY, Task.RERANK)},
+        aliases=aliases, source=path, versions=_versions(),
+    )
+    return _Source(
+        module=Classifier().eval(), inputs=inputs, output="logits", tokens=runner.tokens, manifest=manifest,
+        transformer_dir=root, reference=lambda: _run(runner, _pair_batch(runner)),
+        probe=lambda onnx: _run(onnx, _pair_batch(onnx)),
+    )
+
+
+def _pair_batch(runner: Any) -> list[Sequence[int]]:
+    """The probe pairs and texts as one mixed batch: pairs (segments set) and single texts."""
+    ids = dict(zip(PROBE_TEXTS + tuple(s for p in PROBE_PAIRS for s in p),
+                   runner.tokenize(list(PROBE_TEXTS) + [s for p in PROBE_PAIRS for s in p]), strict=True))
+    pairs: list[Sequence[int]] = [runner.pair_with_special_tokens(ids[a], ids[b]) for a, b in PROBE_PAIRS]
+    return pairs + [runner.with_special_tokens(ids[t]) for t in PROBE_TEXTS]
+
+
+def _run(runner: Any, batch: Sequence[Sequence[int]]) -> np.ndarray:
+    prepared = runner.prepare(batch)
+    rows: np.ndarray = runner.finish(runner.forward(prepared), prepared)
+    return rows
+
+
+# -- the graph -----------------------------------------------------------------------------------------
+def _export_graph(source: _Source, target: Path) -> None:
+    """Trace ``source.module`` on a padded two-row batch, batch and sequence axes dynamic."""
+    import torch
+
+    seqs: list[Sequence[int]] = [
+        source.tokens.with_special_tokens(ids) for ids in source.tokens.tokenize(PROBE_TEXTS[:2])
+    ]
+    if "token_type_ids" in source.inputs and source.manifest.task != Task.EMBED:
+        a, b = source.tokens.tokenize(list(PROBE_PAIRS[0]))
+        seqs[1] = PairIds(*source.tokens.pair_with_special_tokens(a, b))
+    example = _features(seqs, source.tokens.pad_id, source.inputs)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("sequence", min=1, max=max(source.manifest.max_tokens, 2))
+    params = sum(p.numel() * p.element_size() for p in source.module.parameters())
+    torch.onnx.export(
+        source.module, (), str(target), kwargs=example, input_names=list(source.inputs),
+        output_names=[source.output], dynamo=True, dynamic_shapes={k: {0: batch, 1: seq} for k in example},
+        external_data=params > 1_500_000_000, verbose=False,
+    )
+
+
+def _features(seqs: Sequence[Sequence[int]], pad_id: int, names: Sequence[str]) -> dict[str, Any]:
+    import torch
+
+    from .tokens import pad_batch
+
+    ids, mask = pad_batch(seqs, max(len(s) for s in seqs), pad_id)
+    segments = np.zeros_like(ids)
+    for row, s in enumerate(seqs):
+        if isinstance(s, PairIds):
+            segments[row, s.b_start : len(s)] = 1
+    arrays = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
+    return {k: torch.from_numpy(arrays[k]) for k in names}
+
+
+def _quantize(fp32: Path, target: Path) -> None:
+    """int8 weights for the MatMuls (per output channel), activations quantised at run time.
+
+    On the packaged MiniLM, per-tensor scales (ONNX Runtime's default) fell to a cosine of 0.77 to the
+    float model; per-channel scales keep it near 0.98. Embedding tables (Gather) stay float: quantising
+    them too cost another 0.01 of cosine for a smaller file and no speed.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        str(fp32), str(target), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"], per_channel=True
+    )
+
+
+# -- checks --------------------------------------------------------------------------------------------
+def _check(source: _Source, staging: Path, model: str) -> dict[str, float]:
+    """The staged export, served by the ONNX runner, against the torch model on the probes."""
+    runner = load_onnx_runner(str(staging), name=None, task=source.manifest.task, environ={})
+    ours, ref = source.probe(runner), source.reference()
+    if ours.shape != ref.shape:
+        raise ExportError(f"model {model!r}: the graph gives {ours.shape}, torch {ref.shape}")
+    if not np.isfinite(ours).all():
+        raise ExportError(f"model {model!r}: the exported graph gives non-finite values")
+    if source.manifest.task == Task.EMBED:
+        cos = (ours * ref).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
+        return {"cosine_min": float(cos.min())}
+    # Logits: the largest difference, relative to the largest logit (at least 1).
+    return {"logit_error": float(np.abs(ours - ref).max()) / max(1.0, float(np.abs(ref).max()))}
+
+
+# -- files ---------------------------------------------------------------------------------------------
+def _write_support_files(source: _Source, path: str, staging: Path) -> None:
+    """tokenizer.json (the serving tokenizer), the tokenizer and model configs, the sentence-transformers
+    configuration (modules, pooling, prompts) as the source has them."""
+    (staging / "tokenizer.json").write_text(source.tokens.to_str(), encoding="utf-8")
+    for f in (*_TOKENIZER_FILES, "config.json", "sentence_bert_config.json"):
+        if (source.transformer_dir / f).is_file():
+            shutil.copy(source.transformer_dir / f, staging / f)
+    root = Path(path)
+    for f in _ST_FILES:
+        if (root / f).is_file():
+            shutil.copy(root / f, staging / f)
+    if (root / "modules.json").is_file():
+        for module in _modules(root)[1:]:
+            sub = str(module.get("path") or "")
+            if sub and (root / sub / "config.json").is_file():
+                (staging / sub).mkdir(parents=True, exist_ok=True)
+                shutil.copy(root / sub / "config.json", staging / sub / "config.json")
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for item in staging.iterdir():
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        shutil.move(str(item), str(target))
+
+
+def _modules(root: Path) -> list[dict[str, Any]]:
+    modules = json.loads((root / "modules.json").read_text(encoding="utf-8"))
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for dist in ("torch", "transformers", "sentence-transformers", "onnx", "onnxscript", "onnxruntime"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[dist] = importlib.metadata.version(dist)
+    return found
+
+
+def _describe(checks: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.6f}" for k, v in checks.items())
+
+
+# -- messages ------------------------------------------------------------------------------------------
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _reason(exc: BaseException, limit: int = 500) -> str:
+    """The cause in one line: for torch.onnx errors the first paragraph of its "Exception summary" and
+    the model code that raised it; else the exception's first line."""
+    text = _ANSI.sub("", str(exc))
+    summary = text.split("## Exception summary", 1)
+    where = ""
+    if len(summary) == 2:
+        body = summary[1].strip()
+        call = re.search(r'raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)', body)
+        if call:
+            where = f" (at {call.group(1)}:{call.group(2)}: {call.group(3).strip()})"
+        text = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", body.split("\n\n", 1)[0])
+    else:
+        text = next((line for line in text.splitlines() if line.strip()), "")
+        if type(exc).__name__ not in text:
+            text = f"{type(exc).__name__}: {text}"
+    text = " ".join(text.split()) + where
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool) -> Iterator[None]:
+    """Keep the exporter's progress lines, warnings and progress bars off the terminal (unless verbose)."""
+    if verbose:
+        yield
+        return
+    sink = io.StringIO()
+    quiet = ("torch", "transformers", "sentence_transformers", "onnxscript", "onnx_ir", "onnxruntime")
+    levels = {n: logging.getLogger(n).level for n in (*quiet, "")}
+    logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization advises on the root logger
+    for n in quiet:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
