@@ -195,8 +195,9 @@ def _resolve(model: str) -> tuple[str, str, tuple[str, ...]]:
     """(directory, default served name, aliases) for a directory, 'default' or a hub name."""
     from .st_runner import default_model_path, model_name_from_path
 
-    if model in ("", "default"):
-        return default_model_path(), "all-MiniLM-L6-v2", ("sentence-transformers/all-MiniLM-L6-v2",)
+    packaged = default_model_path()
+    if model in ("", "default") or Path(model).resolve() == Path(packaged).resolve():
+        return packaged, "all-MiniLM-L6-v2", ("sentence-transformers/all-MiniLM-L6-v2",)
     if Path(model).is_dir():
         return model, model_name_from_path(model), ()
     if Path(model).exists() or model.startswith((".", "/")) or model.count("/") > 1:

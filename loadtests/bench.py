@@ -9,7 +9,8 @@ markers are created when missing, and text outside the markers is kept):
 * ``generator``: the load generator's own ceiling against an instant stub;
 * ``coldstart``: process start to first embedding beside a plain sentence-transformers server, and
   the CPU a ready server uses while idle;
-* ``kernels``: our encoder forward against the Hugging Face forward, eagerly on this CPU.
+* ``kernels``: our encoder forward against the Hugging Face forward, eagerly on this CPU;
+* ``onnx``: the ONNX Runtime backend against torch: cold start, latency, throughput, idle (``bench_onnx``).
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway")
+SECTIONS = ("foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "onnx")
 
 
 def machine() -> str:
@@ -122,7 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from coalesce.loadtests import bench_sections
+    from coalesce.loadtests import bench_onnx, bench_sections
 
     runners: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
         "foundation": bench_sections.foundation,
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "coldstart": bench_sections.coldstart,
         "kernels": bench_sections.kernels,
         "gateway": bench_sections.gateway,
+        "onnx": bench_onnx.onnx,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)
