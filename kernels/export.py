@@ -7,14 +7,11 @@ the maintained exporter that ships with the torch already installed. ``optimum-o
 been the library of choice, but its current release requires transformers < 4.58 and would downgrade
 the transformers 5 this project runs on.
 
-What is exported is what the torch backend serves, measured on it:
-
-* embedding models (sentence-transformers layout): the whole module pipeline, so pooling, any Dense
-  layer and normalisation run inside the graph (``sentence_embedding`` out); the manifest takes its
-  width, max length and normalisation from the loaded ``SentenceTransformer``;
-* classifiers and cross-encoders (``*ForSequenceClassification``): the model built by the torch
-  runner, logits out, with ``token_type_ids`` when the model uses segments; labels and activation
-  come from that runner.
+What is exported is what the torch backend serves, measured on it (``export_sources``): for
+embedding models the whole sentence-transformers pipeline, so pooling and normalisation run inside
+the graph (``sentence_embedding`` out; measured no slower than pooling in numpy, see the ``onnx``
+bench section); for classifiers and cross-encoders the sequence classifier, logits out, with
+``token_type_ids`` when the model uses segments.
 
 ``tokenizer.json`` is the tokenizer the torch runner tokenises with (its normalisation settings
 and sentence-transformers' ``do_lower_case`` applied), so the serving side reads one file and cannot
@@ -30,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import io
-import json
 import logging
 import re
 import shutil
@@ -40,16 +35,23 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .onnx_runner import GRAPH_FILE, ExportManifest, load_onnx_runner
+from .export_sources import (
+    PROBE_PAIRS,
+    PROBE_TEXTS,
+    ExportSource,
+    classifier_source,
+    embedding_source,
+    st_modules,
+)
+from .onnx_runner import GRAPH_FILE, ExportManifest, load_onnx_runner, segment_ids
 from .protocol import PairIds, Task
-from .tokens import TokenizerAdapter
 
 log = logging.getLogger("coalesce.kernels")
 
@@ -63,37 +65,8 @@ _ST_FILES = ("modules.json", "config_sentence_transformers.json")
 FP32_MIN_COSINE = 0.9999
 INT8_MIN_COSINE = 0.9
 LOGITS_TOLERANCE = 1e-3  # classifiers: fp32 logits within this fraction of the largest logit
-_LONG = " ".join(["river", "house", "green", "tree"] * 300)  # past every model's maximum
-PROBE_TEXTS = (
-    "hello",
-    "The quick brown fox jumps over the lazy dog.",
-    "Crème brûlée at the CAFÉ, naïve façade — 你好世界 🚀",
-    _LONG,
-    "a b c",
-)
-PROBE_PAIRS = (
-    ("how do plants make oxygen", "Photosynthesis splits water and releases oxygen."),
-    ("hello", "a b c"),
-    ("what is a printing press", _LONG),
-)
-
-
 class ExportError(Exception):
     """The model cannot be exported; the message names it and says why (no traceback for users)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Source:
-    """The torch side of an export: the module to trace, and what the manifest says about it."""
-
-    module: Any  # torch.nn.Module taking the graph inputs as keyword arguments
-    inputs: tuple[str, ...]
-    output: str
-    tokens: TokenizerAdapter
-    manifest: ExportManifest  # name, task and facts; checks and quantize are filled in later
-    transformer_dir: Path  # where config.json and the tokenizer files live
-    reference: Callable[[], np.ndarray]  # the torch model's rows for the probes
-    probe: Callable[[Any], np.ndarray]  # a runner's rows for the same probes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,9 +123,9 @@ def export_model(
     with _quiet(verbose):
         try:
             if chosen is Task.EMBED:
-                source = _embedding_source(path, name, aliases, trust_remote_code)
+                source = embedding_source(path, name, aliases, trust_remote_code)
             else:
-                source = _classifier_source(path, name, aliases, chosen)
+                source = classifier_source(path, name, aliases, chosen)
         except ExportError:
             raise
         except Exception as exc:
@@ -176,7 +149,10 @@ def export_model(
             if quantize == "int8":
                 fp32 = staging / "model.fp32.onnx"
                 (staging / GRAPH_FILE).rename(fp32)
-                _quantize(fp32, staging / GRAPH_FILE)
+                try:
+                    _quantize(fp32, staging / GRAPH_FILE)
+                except Exception as exc:
+                    raise ExportError(f"model {model!r}: int8 quantisation failed: {_reason(exc)}") from exc
                 fp32.unlink()
                 checks.update({"int8_" + k: v for k, v in _check(source, staging, model).items()})
                 if checks.get("int8_cosine_min", 1.0) < INT8_MIN_COSINE:
@@ -211,115 +187,8 @@ def _resolve(model: str) -> tuple[str, str, tuple[str, ...]]:
                           f"{_reason(exc)}") from exc
 
 
-def _embedding_source(path: str, name: str, aliases: tuple[str, ...], trust_remote_code: bool) -> _Source:
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from tokenizers import Tokenizer
-
-    st = SentenceTransformer(
-        path, device="cpu", local_files_only=True, trust_remote_code=trust_remote_code
-    ).eval()
-    transformer = st[0]
-    hf_model: Any = getattr(transformer, "auto_model", None)
-    hf_tok: Any = getattr(transformer, "tokenizer", None)
-    if hf_model is None or getattr(hf_tok, "backend_tokenizer", None) is None:
-        raise ExportError(f"model {path!r}: its first module is not a Transformer with a fast tokenizer")
-    root = Path(path)
-    tdir = root / (_modules(root)[0].get("path") or "") if (root / "modules.json").is_file() else root
-    positions = int(getattr(hf_model.config, "max_position_embeddings", 0) or 0) or 1 << 20
-    max_tokens = min(int(st.max_seq_length or hf_tok.model_max_length), positions)
-    rows = int(hf_model.get_input_embeddings().num_embeddings)
-    tok = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
-    pad = hf_tok.pad_token_id
-    tokens = TokenizerAdapter.from_tokenizer(
-        tok, max_tokens, pad_id=int(pad) if pad is not None else 0,
-        vocab_size=min(max(len(hf_tok), tok.get_vocab_size(with_added_tokens=True)), rows),
-        lowercase=bool(getattr(transformer, "do_lower_case", False)),
-    )
-    inputs = ("input_ids", "attention_mask") + (
-        ("token_type_ids",) if "token_type_ids" in hf_tok.model_input_names else ()
-    )
-    dim_of = getattr(st, "get_embedding_dimension", None) or st.get_sentence_embedding_dimension
-
-    class Embedder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.st = st
-
-        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
-            features = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if token_type_ids is not None:
-                features["token_type_ids"] = token_type_ids
-            return self.st(features)["sentence_embedding"]
-
-    manifest = ExportManifest(
-        name=name, task=str(Task.EMBED), max_tokens=max_tokens, vocab_size=tokens.vocab_size,
-        dim=int(dim_of() or 0), pad_id=tokens.pad_id, inputs=inputs, output="sentence_embedding",
-        normalized=any(type(m).__name__ == "Normalize" for m in st), aliases=aliases, source=path,
-        versions=_versions(),
-    )
-    return _Source(
-        module=Embedder().eval(), inputs=inputs, output="sentence_embedding", tokens=tokens,
-        manifest=manifest, transformer_dir=tdir,
-        reference=lambda: np.asarray(st.encode(list(PROBE_TEXTS), batch_size=len(PROBE_TEXTS))),
-        probe=lambda onnx: _run(onnx, [onnx.with_special_tokens(i) for i in onnx.tokenize(PROBE_TEXTS)]),
-    )
-
-
-def _classifier_source(path: str, name: str, aliases: tuple[str, ...], task: Task) -> _Source:
-    import torch
-
-    from .hf_runners import SequenceClassifierRunner, _activation
-
-    runner = SequenceClassifierRunner(path, name=name, task=task, device="cpu", aliases=aliases)
-    model = runner.model.eval()
-    config = model.config.to_dict()
-    segments = "token_type_ids" in runner.hf_tokenizer.model_input_names and (
-        int(config.get("type_vocab_size") or 0) >= 2
-    )
-    inputs = ("input_ids", "attention_mask") + (("token_type_ids",) if segments else ())
-    rows = int(model.get_input_embeddings().num_embeddings)
-
-    class Classifier(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
-            extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
-
-    info = runner.info
-    root = Path(path)
-    manifest = ExportManifest(
-        name=name, task=str(task), max_tokens=info.max_tokens, vocab_size=min(info.vocab_size, rows),
-        dim=info.dim, pad_id=runner.tokens.pad_id, inputs=inputs, output="logits", labels=info.labels,
-        activations={str(t): _activation(root, config, t) for t in (Task.CLASSIFY, Task.RERANK)},
-        aliases=aliases, source=path, versions=_versions(),
-    )
-    return _Source(
-        module=Classifier().eval(), inputs=inputs, output="logits", tokens=runner.tokens, manifest=manifest,
-        transformer_dir=root, reference=lambda: _run(runner, _pair_batch(runner)),
-        probe=lambda onnx: _run(onnx, _pair_batch(onnx)),
-    )
-
-
-def _pair_batch(runner: Any) -> list[Sequence[int]]:
-    """The probe pairs and texts as one mixed batch: pairs (segments set) and single texts."""
-    ids = dict(zip(PROBE_TEXTS + tuple(s for p in PROBE_PAIRS for s in p),
-                   runner.tokenize(list(PROBE_TEXTS) + [s for p in PROBE_PAIRS for s in p]), strict=True))
-    pairs: list[Sequence[int]] = [runner.pair_with_special_tokens(ids[a], ids[b]) for a, b in PROBE_PAIRS]
-    return pairs + [runner.with_special_tokens(ids[t]) for t in PROBE_TEXTS]
-
-
-def _run(runner: Any, batch: Sequence[Sequence[int]]) -> np.ndarray:
-    prepared = runner.prepare(batch)
-    rows: np.ndarray = runner.finish(runner.forward(prepared), prepared)
-    return rows
-
-
 # -- the graph -----------------------------------------------------------------------------------------
-def _export_graph(source: _Source, target: Path) -> None:
+def _export_graph(source: ExportSource, target: Path) -> None:
     """Trace ``source.module`` on a padded two-row batch, batch and sequence axes dynamic."""
     import torch
 
@@ -346,11 +215,7 @@ def _features(seqs: Sequence[Sequence[int]], pad_id: int, names: Sequence[str]) 
     from .tokens import pad_batch
 
     ids, mask = pad_batch(seqs, max(len(s) for s in seqs), pad_id)
-    segments = np.zeros_like(ids)
-    for row, s in enumerate(seqs):
-        if isinstance(s, PairIds):
-            segments[row, s.b_start : len(s)] = 1
-    arrays = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
+    arrays = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segment_ids(seqs, ids.shape)}
     return {k: torch.from_numpy(arrays[k]) for k in names}
 
 
@@ -369,10 +234,15 @@ def _quantize(fp32: Path, target: Path) -> None:
 
 
 # -- checks --------------------------------------------------------------------------------------------
-def _check(source: _Source, staging: Path, model: str) -> dict[str, float]:
+def _check(source: ExportSource, staging: Path, model: str) -> dict[str, float]:
     """The staged export, served by the ONNX runner, against the torch model on the probes."""
-    runner = load_onnx_runner(str(staging), name=None, task=source.manifest.task, environ={})
-    ours, ref = source.probe(runner), source.reference()
+    try:
+        runner = load_onnx_runner(str(staging), name=None, task=source.manifest.task, environ={})
+        ours = source.probe(runner)
+    except Exception as exc:
+        reason = _reason(exc)
+        raise ExportError(f"model {model!r}: ONNX Runtime cannot run the exported graph: {reason}") from exc
+    ref = source.reference()
     if ours.shape != ref.shape:
         raise ExportError(f"model {model!r}: the graph gives {ours.shape}, torch {ref.shape}")
     if not np.isfinite(ours).all():
@@ -385,7 +255,7 @@ def _check(source: _Source, staging: Path, model: str) -> dict[str, float]:
 
 
 # -- files ---------------------------------------------------------------------------------------------
-def _write_support_files(source: _Source, path: str, staging: Path) -> None:
+def _write_support_files(source: ExportSource, path: str, staging: Path) -> None:
     """tokenizer.json (the serving tokenizer), the tokenizer and model configs, the sentence-transformers
     configuration (modules, pooling, prompts) as the source has them."""
     (staging / "tokenizer.json").write_text(source.tokens.to_str(), encoding="utf-8")
@@ -397,7 +267,7 @@ def _write_support_files(source: _Source, path: str, staging: Path) -> None:
         if (root / f).is_file():
             shutil.copy(root / f, staging / f)
     if (root / "modules.json").is_file():
-        for module in _modules(root)[1:]:
+        for module in st_modules(root)[1:]:
             sub = str(module.get("path") or "")
             if sub and (root / sub / "config.json").is_file():
                 (staging / sub).mkdir(parents=True, exist_ok=True)
@@ -411,19 +281,6 @@ def _move_into(staging: Path, out: Path) -> None:
         if target.is_dir():
             shutil.rmtree(target)
         shutil.move(str(item), str(target))
-
-
-def _modules(root: Path) -> list[dict[str, Any]]:
-    modules = json.loads((root / "modules.json").read_text(encoding="utf-8"))
-    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
-
-
-def _versions() -> dict[str, str]:
-    found = {}
-    for dist in ("torch", "transformers", "sentence-transformers", "onnx", "onnxscript", "onnxruntime"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            found[dist] = importlib.metadata.version(dist)
-    return found
 
 
 def _describe(checks: dict[str, float]) -> str:

@@ -200,6 +200,15 @@ class OnnxBatch:
     rows: int
 
 
+def segment_ids(batch: Sequence[Sequence[int]], shape: tuple[int, ...]) -> np.ndarray:
+    """int64 token type ids of a padded batch: 1 over segment B of each ``PairIds``, 0 elsewhere."""
+    segments = np.zeros(shape, dtype=np.int64)
+    for row, seq in enumerate(batch):
+        if isinstance(seq, PairIds):
+            segments[row, seq.b_start : len(seq)] = 1
+    return segments
+
+
 class OnnxRunner:
     """An exported embedding model on ONNX Runtime (CPU). ``OnnxPairRunner`` adds text pairs."""
 
@@ -259,11 +268,7 @@ class OnnxRunner:
         if self._mask:
             feed["attention_mask"] = mask
         if self._segments:
-            segments = np.zeros_like(ids)
-            for row, seq in enumerate(batch):
-                if isinstance(seq, PairIds):
-                    segments[row, seq.b_start : len(seq)] = 1
-            feed["token_type_ids"] = segments
+            feed["token_type_ids"] = segment_ids(batch, ids.shape)
         return OnnxBatch(feed, len(batch))
 
     # -- model thread --------------------------------------------------------------------------------
