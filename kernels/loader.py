@@ -9,7 +9,9 @@ For embedding models the fastest applicable path wins:
    fast reader declines but the forward reproduces);
 3. ``st_runner`` — any sentence-transformers model, eagerly.
 
-Classifiers and cross-encoders get ``SequenceClassifierRunner``.
+Classifiers and cross-encoders get ``SequenceClassifierRunner``. A directory written by ``coalesce
+export`` is served by ``onnx_runner.OnnxRunner`` instead when ``--backend`` resolves to onnx (before
+anything imports torch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from .buckets import GraphOptions
 from .hf_runners import SequenceClassifierRunner, detect_task
+from .onnx_runner import onnx_runner_for
 from .protocol import Runner, Task
 from .st_runner import SentenceTransformerRunner, default_model_path
 
@@ -34,6 +37,7 @@ class RunnerOptions:
     device: str = "auto"
     dtype: str = "auto"
     graphs: GraphOptions = GraphOptions()  # noqa: RUF009 (frozen, so one shared default is safe)
+    backend: str = "auto"  # torch, onnx, or auto (see onnx_runner.resolve_backend)
 
 
 def load_runner(
@@ -51,6 +55,11 @@ def load_runner(
             aliases = ("sentence-transformers/all-MiniLM-L6-v2",)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model directory {path!r} does not exist")
+    onnx = onnx_runner_for(
+        path, name=name, task=task, aliases=aliases, backend=options.backend, device=options.device
+    )
+    if onnx is not None:
+        return onnx
     chosen = Task(task) if task else detect_task(path)
     if chosen is Task.EMBED:
         from .fastload import build_fast_encoder_runner

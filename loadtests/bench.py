@@ -11,7 +11,8 @@ markers are created when missing, and text outside the markers is kept):
   the CPU a ready server uses while idle;
 * ``kernels``: our encoder forward against the Hugging Face forward, eagerly on this CPU;
 * ``gateway``: one process's CPU per request on a null model, beside an aiohttp stub;
-* ``engine``: ``--workers 2``'s engine and gateway CPU per request, and coalescing across gateways.
+* ``engine``: ``--workers 2``'s engine and gateway CPU per request, and coalescing across gateways;
+* ``onnx``: the ONNX Runtime backend against torch: cold start, latency, throughput, idle (``bench_onnx``).
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -29,7 +30,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SECTIONS = ("foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine")
+SECTIONS = (
+    "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
+)
 
 
 def machine() -> str:
@@ -124,7 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from coalesce.loadtests import bench_engine, bench_sections
+    from coalesce.loadtests import bench_engine, bench_onnx, bench_sections
 
     runners: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
         "foundation": bench_sections.foundation,
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": bench_sections.kernels,
         "gateway": bench_sections.gateway,
         "engine": bench_engine.engine,
+        "onnx": bench_onnx.onnx,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

@@ -104,6 +104,9 @@ def measure_server(argv: Sequence[str], port: int, timeout_s: float) -> dict[str
                     proc, t0, deadline, lambda: _status(port, "POST", "/v1/embeddings", body, 60.0) == 200
                 ),
             }
+            # CPU the server spent to get there: unlike seconds, it hardly depends on other load.
+            stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            result["cpu_s"] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
         finally:
             _stop(proc)
         log.seek(0)

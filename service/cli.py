@@ -1,4 +1,4 @@
-"""The ``coalesce`` command: ``serve``, ``loadtest``, ``plan``."""
+"""The ``coalesce`` command: ``serve``, ``export``, ``loadtest``, ``plan``."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from . import settings as settings_mod
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = ("serve", "loadtest", "plan")
+    commands = ("serve", "export", "loadtest", "plan")
     if not args or args[0] in ("-h", "--help") or args[0] not in commands:
         print(
-            "usage: coalesce {serve,loadtest,plan} [options]\n\n"
+            "usage: coalesce {serve,export,loadtest,plan} [options]\n\n"
             "  serve     run the embedding service (coalesce serve --help lists every knob)\n"
+            "  export    write a model as an ONNX directory that serve --backend onnx runs without torch\n"
             "  loadtest  measure a running service: open/closed loop, bursts, ramps, replays, A/B\n"
             "  plan      capacity plan from a load-test result: replicas, cost, knob values",
             file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout,
@@ -25,6 +26,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "serve":
         return _serve(rest)
+    if command == "export":
+        from coalesce.kernels.export import main as export_main
+
+        return export_main(rest)
     from coalesce.loadtests import cli as loadtest_cli
 
     return loadtest_cli.loadtest_main(rest) if command == "loadtest" else loadtest_cli.plan_main(rest)

@@ -134,7 +134,9 @@ def default_factory(settings: Settings) -> RunnerFactory:
         budget_s=settings.graph_capture_budget_s,
         budget_bytes=settings.graph_memory_budget_mb << 20,
     )
-    options = RunnerOptions(device=settings.device, dtype=settings.dtype, graphs=graphs)
+    options = RunnerOptions(
+        device=settings.device, dtype=settings.dtype, graphs=graphs, backend=settings.backend
+    )
     return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
 
 

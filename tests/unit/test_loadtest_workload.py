@@ -121,4 +121,5 @@ def test_a_stream_sends_fresh_payloads_unless_asked_to_repeat() -> None:
     assert 0.25 * len(mixed) < repeats < 0.35 * len(mixed)
     assert mixed == bodies(0.3), "deterministic for a seed"
     with pytest.raises(ValueError):
-        PayloadStream(PayloadFactory(TextSource(random.Random(1)), "m"), Mix.SHORT, random.Random(2), repeat=1.0)
+        factory = PayloadFactory(TextSource(random.Random(1)), "m")
+        PayloadStream(factory, Mix.SHORT, random.Random(2), repeat=1.0)

