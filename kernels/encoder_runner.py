@@ -34,6 +34,7 @@ from .bert import GraphSafeBert, PoolingMode, unsupported_reason
 from .buckets import BucketGrid, Cell, GraphOptions, pad_to_shape
 from .graphs import CaptureStats, CudaGraphs
 from .protocol import ModelInfo, Task
+from .st_config import prompt_fields
 from .st_runner import model_name_from_path, resolve_device
 from .tokens import TokenizerAdapter
 
@@ -240,6 +241,7 @@ def make_encoder_runner(
         dim=model.dim,
         normalized=model.normalize,
         aliases=tuple(aliases),
+        **prompt_fields(model_path),
     )
     log.info("model %s runs on the graph-safe BERT forward (%s, %s)", model_path, device,
              model.word.weight.dtype)
@@ -257,6 +259,8 @@ def _pipeline_plan(st: Any) -> tuple[Any, PoolingMode, bool] | str:
     reason = unsupported_reason(getattr(transformer, "auto_model", None))
     if reason is not None:
         return reason
+    if not getattr(pool, "include_prompt", True):
+        return "pooling leaves the prompt out (include_prompt: false)"
     mode = getattr(pool, "pooling_mode", None)
     if not isinstance(mode, str) and hasattr(pool, "get_pooling_mode_str"):  # sentence-transformers < 6
         mode = pool.get_pooling_mode_str()

@@ -118,8 +118,12 @@ def export_model(
     if out.resolve() == Path(path).resolve():
         raise ExportError(f"model {model!r}: --out is the model's own directory; export it elsewhere")
     from .hf_runners import detect_task
+    from .st_config import read_prompt_config
 
     chosen = Task(task) if task else detect_task(path)
+    if chosen is Task.EMBED and not read_prompt_config(path).include_prompt:
+        raise ExportError(f"model {model!r}: its pooling leaves the prompt out (include_prompt: false), "
+                          "which the exported graph cannot do per input; serve it with --backend torch")
     with _quiet(verbose):
         try:
             if chosen is Task.EMBED:

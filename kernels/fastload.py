@@ -196,6 +196,8 @@ def _pooling_mode(pool: dict[str, Any], hidden: int) -> PoolingMode:
     dim = pool.get("embedding_dimension", pool.get("word_embedding_dimension", hidden))
     if dim != hidden:
         raise _Unsupported(f"pooling dimension {dim} differs from hidden_size {hidden}")
+    if not pool.get("include_prompt", True):
+        raise _Unsupported("pooling leaves the prompt out (include_prompt: false)")
     mode: Any = pool.get("pooling_mode")
     if mode is None:
         active = [m for key, m in _LEGACY_POOLING.items() if pool.get(key)]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .protocol import ModelInfo, PairIds, Task, marks
+from .st_config import prompt_fields
 from .tokens import TokenizerAdapter, pad_batch
 
 log = logging.getLogger("coalesce.kernels")
@@ -339,6 +340,7 @@ def load_onnx_runner(
         normalized=manifest.normalized,
         aliases=tuple(aliases) or manifest.aliases,
         activation=manifest.activations.get(str(chosen), "none"),
+        **(prompt_fields(root) if chosen is Task.EMBED else {}),
     )
     threads = intra_op_threads(os.environ if environ is None else environ)
     kind = OnnxRunner if chosen is Task.EMBED else OnnxPairRunner

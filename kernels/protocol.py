@@ -50,6 +50,11 @@ class ModelInfo:
     # classify/rerank: how the gateway turns the logits a runner returns into scores
     # ("softmax", "sigmoid" or "none"), as the model's config asks.
     activation: str = "none"
+    # sentence-transformers prompts (name → text put in front of a text), the one applied when a
+    # request names none, and whether pooling includes the prompt's tokens (see kernels/st_config.py)
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    include_prompt: bool = True
 
 
 class MarkedIds(list[int]):

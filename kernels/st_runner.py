@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .protocol import ModelInfo, Task, marks
+from .st_config import prompt_fields
 from .tokens import TokenizerAdapter, pad_batch
 
 log = logging.getLogger("coalesce.kernels")
@@ -61,6 +62,7 @@ class Prepared:
 
     features: dict[str, Any]
     rows: int  # real inputs; any further rows are padding
+    pool_starts: list[int] | None = None  # per row, where pooling starts (prompts left out of it)
 
 
 class SentenceTransformerRunner:
@@ -94,6 +96,7 @@ class SentenceTransformerRunner:
             dim=int(dim_of() or 0),
             normalized=normalized,
             aliases=tuple(aliases),
+            **prompt_fields(path),
         )
 
     # -- CPU side ------------------------------------------------------------------------------------
@@ -108,14 +111,28 @@ class SentenceTransformerRunner:
 
     def prepare(self, batch: Sequence[Sequence[int]]) -> Prepared:
         features = padded_features(batch, self.tokens.pad_id, "token_type_ids" in self._input_names)
-        return Prepared(features=features, rows=len(batch))
+        starts = [marks(seq)[1] for seq in batch]
+        return Prepared(features=features, rows=len(batch), pool_starts=starts if any(starts) else None)
 
     # -- model thread --------------------------------------------------------------------------------
     def forward(self, prepared: Prepared) -> Any:
         torch = self._torch
         with torch.inference_mode():
             features = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
-            return self.model(features)["sentence_embedding"]
+            if prepared.pool_starts is None:
+                return self.model(features)["sentence_embedding"]
+            # Prompts the pooling leaves out, one length per row (sentence-transformers' own
+            # ``prompt_length`` is one per batch): the encoder sees every token, pooling does not see
+            # the prompt's. The same module stack as ``self.model(features)``, mask swapped between.
+            modules = list(self.model)
+            features = modules[0](features)
+            mask = features["attention_mask"].clone()
+            for row, start in enumerate(prepared.pool_starts):
+                mask[row, :start] = 0
+            features["attention_mask"] = mask
+            for module in modules[1:]:
+                features = module(features)
+            return features["sentence_embedding"]
 
     def finish(self, output: Any, prepared: Prepared) -> np.ndarray:
         rows: np.ndarray = output[: prepared.rows].float().cpu().numpy()

@@ -4,8 +4,9 @@ Each gateway has its own pair of ZeroMQ DEALER sockets with the engine (``ipc://
 directory). A message is a multipart ZeroMQ message: frame 0 is one of the msgspec Structs below,
 msgpack-encoded; arrays follow as raw frames, never inside the encoding:
 
-* ``Submit`` carries one int32 frame per request: the sequences' lengths, then (for text pairs) where
-  each one's second segment starts, then every token id, concatenated;
+* ``Submit`` carries one int32 frame per request: the sequences' lengths, then (for marked sequences:
+  text pairs, prompts left out of pooling) where each one's second segment and its pooling start, then
+  every token id, concatenated;
 * ``Results`` carries one float32 frame per finished request: its rows, ``n × dim``, in input order.
 
 Gateway → engine: ``Hello`` (once connected), ``Submit`` (requests of one event-loop turn), ``Cancel``
@@ -23,7 +24,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from coalesce.kernels.protocol import ModelInfo, PairIds
+from coalesce.kernels.protocol import MarkedIds, ModelInfo, marks
 from coalesce.kernels.tokens import TokenizerSpec
 
 from .. import errors
@@ -59,7 +60,7 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
     id: int
     model: int
     n: int
-    pairs: bool
+    marked: bool  # the frame holds each sequence's b_start and pool_start (``MarkedIds``)
     tenant: str
     weight: float
     priority: int
@@ -125,19 +126,22 @@ class ProtocolError(ValueError):
 
 
 def pack_job(seqs: Sequence[Sequence[int]]) -> tuple[bool, bytes]:
-    """(whether these are text pairs, the int32 frame of ``seqs``)."""
+    """(whether the sequences carry marks, the int32 frame of ``seqs``)."""
     lengths = [len(s) for s in seqs]
-    pairs = bool(seqs) and isinstance(seqs[0], PairIds)
-    head = lengths + [s.b_start for s in seqs] if pairs else lengths  # type: ignore[attr-defined]
+    marked = any(isinstance(s, MarkedIds) for s in seqs)
+    head = lengths
+    if marked:
+        pairs = [marks(s) for s in seqs]
+        head = lengths + [b for b, _ in pairs] + [p for _, p in pairs]
     flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=sum(lengths))
-    return pairs, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
+    return marked, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
 
 
 def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:
     """The sequences of ``job`` from its frame, checked against ``info`` (sizes, lengths, ids)."""
     data = np.frombuffer(frame, dtype=np.int32)
     n = job.n
-    head = n * (2 if job.pairs else 1)
+    head = n * (3 if job.marked else 1)
     if n < 1 or data.size < head:
         raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {data.size} ids")
     lengths = data[:n]
@@ -149,10 +153,15 @@ def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:
     flat = ids.tolist()
     ends = np.cumsum(lengths).tolist()
     starts = [0, *ends[:-1]]
-    if job.pairs:
-        b_starts = data[n:head].tolist()
-        return [PairIds(flat[a:b], int(k)) for a, b, k in zip(starts, ends, b_starts, strict=True)]
-    return [flat[a:b] for a, b in zip(starts, ends, strict=True)]
+    if not job.marked:
+        return [flat[a:b] for a, b in zip(starts, ends, strict=True)]
+    b_starts, pool_starts = data[n : 2 * n], data[2 * n : head]
+    if (b_starts >= lengths).any() or (pool_starts < 0).any() or (pool_starts >= lengths).any():
+        raise ProtocolError(f"job {job.id}: a mark is outside its sequence")
+    return [
+        MarkedIds(flat[a:b], b_start=int(k), pool_start=int(p))
+        for a, b, k, p in zip(starts, ends, b_starts.tolist(), pool_starts.tolist(), strict=True)
+    ]
 
 
 def failure(err: errors.CoalesceError) -> Failure:

@@ -105,13 +105,13 @@ class EngineClient:
         """Send one request; the future resolves with its rows, or raises the engine's refusal."""
         self.check_open()
         job_id = next(self._ids)
-        pairs, frame = wire.pack_job(seqs)
+        marked, frame = wire.pack_job(seqs)
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(lambda f: self._on_settled(job_id, f))
         self._waiting[job_id] = fut
         self._idle.clear()
         self._jobs.append(
-            wire.Job(job_id, model, len(seqs), pairs, adm.tenant, adm.weight, adm.priority, adm.deadline)
+            wire.Job(job_id, model, len(seqs), marked, adm.tenant, adm.weight, adm.priority, adm.deadline)
         )
         self._frames.append(frame)
         self._schedule_flush()
