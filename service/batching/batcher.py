@@ -17,9 +17,10 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
+from coalesce.kernels.protocol import OutputKind
 
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
@@ -39,14 +40,17 @@ class Output(Protocol):
 class Engine(Protocol):
     """What the batcher needs from a model worker (``coalesce.kernels.worker.ModelWorker`` fits)."""
 
-    async def run(self, batch: Sequence[Sequence[int]]) -> Output: ...
+    async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> Output: ...
 
 
 @dataclass(frozen=True, slots=True)
 class RequestResult:
-    """What one request's caller gets: a row per input, in order, and the timings of its batches."""
+    """What one request's caller gets: its rows, inputs in order, and the timings of its batches.
 
-    rows: np.ndarray  # (inputs, width) float32
+    Pooled: one row per input. Tokens: each input's ``len(ids)`` rows, one after the other (the caller
+    knows its inputs' lengths, so it splits them)."""
+
+    rows: np.ndarray  # (rows, width) float32
     queue_s: float  # the longest any of its inputs waited for a batch
     forward_s: float  # the longest forward among the batches its inputs rode in
 
@@ -54,30 +58,35 @@ class RequestResult:
 class _Job:
     """One request's inputs in flight: the caller's future and the rows gathered so far.
 
-    The future resolves once: when the last row arrives, or at the first failure. A failed or
-    cancelled job's inputs still waiting are swept from the queue, never computed.
+    The future resolves once: when the last input's rows arrive, or at the first failure. A failed or
+    cancelled job's inputs still waiting are swept from the queue, never computed. ``starts`` (token
+    output only) is where each input's rows begin in the request's rows; pooled inputs have one each.
     """
 
-    __slots__ = ("forward_s", "future", "left", "queue_s", "rows", "size")
+    __slots__ = ("forward_s", "future", "left", "queue_s", "rows", "size", "starts", "total")
 
-    def __init__(self, future: asyncio.Future[RequestResult], size: int) -> None:
+    def __init__(self, future: asyncio.Future[RequestResult], size: int,
+                 starts: list[int] | None = None, total: int | None = None) -> None:
         self.future = future
         self.size = size
         self.left = size
+        self.starts = starts
+        self.total = size if total is None else total
         self.queue_s = 0.0
         self.forward_s = 0.0
         self.rows: np.ndarray | None = None
 
-    def put(self, index: int, batch_rows: np.ndarray, row: int, queue_s: float, forward_s: float) -> None:
-        """Input ``index`` of the request came out as ``batch_rows[row]``."""
+    def put(self, index: int, block: np.ndarray, queue_s: float, forward_s: float) -> None:
+        """Input ``index`` of the request came out as ``block`` (its rows, a view of the batch's)."""
         if self.future.done():
             return
         if self.size == 1:
-            self.rows = batch_rows[row : row + 1]  # the common one-input request: a view, no copy
+            self.rows = block  # the common one-input request: a view, no copy
         else:
             if self.rows is None:
-                self.rows = np.empty((self.size, batch_rows.shape[1]), dtype=np.float32)
-            self.rows[index] = batch_rows[row]
+                self.rows = np.empty((self.total, block.shape[1]), dtype=np.float32)
+            start = index if self.starts is None else self.starts[index]
+            self.rows[start : start + block.shape[0]] = block
         self.queue_s = max(self.queue_s, queue_s)
         self.forward_s = max(self.forward_s, forward_s)
         self.left -= 1
@@ -164,11 +173,12 @@ class Batcher:
         weight: float = 1.0,
         priority: int = 1,
         deadline: float | None = None,
+        kind: OutputKind = OutputKind.POOLED,
     ) -> asyncio.Future[RequestResult]:
         """Admit one request's inputs (complete id sequences), or raise why not before any work is done.
 
-        The future resolves with every input's row, or with the first failure; cancelling it drops the
-        inputs still waiting. ``deadline`` is on the ``time.monotonic()`` clock.
+        The future resolves with every input's rows (of ``kind``), or with the first failure; cancelling
+        it drops the inputs still waiting. ``deadline`` is on the ``time.monotonic()`` clock.
         """
         self._refuse_if_closing()
         now = time.monotonic()
@@ -177,10 +187,15 @@ class Batcher:
             self._metrics.rejected.labels(self.model, refusal.reason).inc()
             raise _refusal_error(refusal, self.model)
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        job = _Job(future, len(seqs))
+        if kind is OutputKind.TOKENS:
+            ends = np.cumsum([len(ids) for ids in seqs]).tolist()
+            job = _Job(future, len(seqs), starts=[0, *ends[:-1]], total=ends[-1])
+        else:
+            job = _Job(future, len(seqs))
         future.add_done_callback(self._on_job_done)
         self.scheduler.add(
-            Entry(len(ids), now, tenant, weight, priority, deadline, payload=(job, i, ids), flow=job)
+            Entry(len(ids), now, tenant, weight, priority, deadline, payload=(job, i, ids), flow=job,
+                  kind=kind)
             for i, ids in enumerate(seqs)
         )
         self._idle.clear()
@@ -282,8 +297,13 @@ class Batcher:
         m, model = self._series, self.model
         start = time.monotonic()
         seconds: float | None = None
+        kind = cast(OutputKind, batch[0].kind)  # the batcher gives every entry one
         try:
-            out = await self._engine.run([e.payload[2] for e in batch])
+            out = await self._engine.run([e.payload[2] for e in batch], kind)
+            # The rows each input gets: one (pooled), or one per token.
+            sizes = [len(e.payload[2]) if kind is OutputKind.TOKENS else 1 for e in batch]
+            if out.rows.shape[0] != sum(sizes):
+                raise RuntimeError(f"the runner returned {out.rows.shape[0]} rows for {sum(sizes)}")
         except Exception as exc:  # the runner's failure reaches exactly this batch
             m.batch_failures.inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
@@ -296,9 +316,11 @@ class Batcher:
         else:
             seconds = out.forward_s
             rows = out.rows
-            for k, e in enumerate(batch):
+            at = 0
+            for e, size in zip(batch, sizes, strict=True):
                 job, index, _ = e.payload
-                job.put(index, rows, k, start - e.arrival, seconds)
+                job.put(index, rows[at : at + size], start - e.arrival, seconds)
+                at += size
             self._record(batch, padded, start, out)
         finally:
             self.scheduler.done(padded, seconds, time.monotonic())
