@@ -286,8 +286,8 @@ class GraphSafeBert(nn.Module):
     def max_positions(self) -> int:
         return self.pos_type.shape[0]
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Embeddings (B, dim) float32 of right-padded ``input_ids`` (B, S) with true ``lengths`` (B,)."""
+    def _encode(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last hidden states (B, S, hidden) in the model's dtype, the (B, S) bool mask of real tokens)."""
         s = input_ids.shape[1]
         keep = self.positions[:s].unsqueeze(0) < lengths.unsqueeze(1)  # (B, S) bool, on the device
         x = self.emb_norm(self.word(input_ids) + self.pos_type[:s])
@@ -298,6 +298,19 @@ class GraphSafeBert(nn.Module):
         bias = bias[:, None, None, :]
         for layer in self.layers:
             x = layer(x, bias)
+        return x, keep
+
+    def token_embeddings(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """float32 ``(sum(lengths), hidden)``: every real token's last hidden state (what
+        sentence-transformers returns as ``token_embeddings``), row by row, padding dropped.
+
+        Eager only: the output's size depends on the lengths (a host synchronisation)."""
+        x, keep = self._encode(input_ids, lengths)
+        return x[keep].float()
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Embeddings (B, dim) float32 of right-padded ``input_ids`` (B, S) with true ``lengths`` (B,)."""
+        x, keep = self._encode(input_ids, lengths)
         h = x.float()
         if self.pooling == "cls":
             pooled = h[:, 0]

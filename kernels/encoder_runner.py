@@ -64,6 +64,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return chosen
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``, ``float16``, ``bfloat16``: how ``/info`` names the precision a forward runs in."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, slots=True)
 class EncoderBatch:
     """A batch padded on the host: ``ids`` (rows, cols) and ``lengths`` (rows,), int64 CPU tensors."""
@@ -146,6 +151,23 @@ class EncoderEngine:
         rows = np.ascontiguousarray(output.float().cpu().numpy())
         if rows.shape != (prepared.n, self.model.dim):
             raise AssertionError(f"runner produced {rows.shape}, expected ({prepared.n}, {self.model.dim})")
+        return rows
+
+    def forward_tokens(self, prepared: EncoderBatch) -> torch.Tensor:
+        """Every real token's hidden state, ``(sum of lengths, hidden)`` on the device; always eager
+        at the batch's own shape (graphs hold pooled outputs only)."""
+        with torch.inference_mode():
+            n, m = prepared.n, prepared.max_len
+            ids = prepared.ids[:n, :m].to(self.device, non_blocking=True)
+            lengths = prepared.lengths[:n].to(self.device, non_blocking=True)
+            return self.model.token_embeddings(ids, lengths)
+
+    def finish_tokens(self, output: torch.Tensor, prepared: EncoderBatch) -> np.ndarray:
+        """float32 ``(sum of lengths, hidden)`` on the host."""
+        rows = np.ascontiguousarray(output.float().cpu().numpy())
+        expected = int(prepared.lengths[: prepared.n].sum())
+        if rows.shape[0] != expected:
+            raise AssertionError(f"runner produced {rows.shape[0]} token rows, expected {expected}")
         return rows
 
     def warmup(self) -> None:
@@ -242,6 +264,8 @@ def make_encoder_runner(
         normalized=model.normalize,
         aliases=tuple(aliases),
         **prompt_fields(model_path),
+        dtype=dtype_name(model.word.weight.dtype),
+        token_embeddings=True,
     )
     log.info("model %s runs on the graph-safe BERT forward (%s, %s)", model_path, device,
              model.word.weight.dtype)

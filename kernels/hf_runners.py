@@ -161,6 +161,7 @@ class SequenceClassifierRunner:
             normalized=False,
             aliases=tuple(aliases),
             activation=_activation(root, config, task),
+            dtype=str(self.model.dtype).removeprefix("torch."),
         )
 
     # -- CPU side ------------------------------------------------------------------------------------

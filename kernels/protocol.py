@@ -35,6 +35,19 @@ class Task(StrEnum):
     RERANK = "rerank"
 
 
+class OutputKind(StrEnum):
+    """What a request asks the runner for, per input.
+
+    ``POOLED``: one row per input (a sentence embedding, or a classifier's logits). ``TOKENS``: one row
+    per token of the input, special tokens included and padding never (TEI's ``/embed_all``); only
+    runners whose ``ModelInfo.token_embeddings`` is set can answer it (:class:`TokenRunner`). Inputs of
+    different kinds never share a batch.
+    """
+
+    POOLED = "pooled"
+    TOKENS = "tokens"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """Static facts about a loaded model that the gateway validates against."""
@@ -55,6 +68,8 @@ class ModelInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     include_prompt: bool = True
+    dtype: str = "float32"  # the precision the forward runs in: float32, float16 or bfloat16
+    token_embeddings: bool = False  # the runner answers OutputKind.TOKENS (a TokenRunner)
 
 
 class MarkedIds(list[int]):
@@ -165,4 +180,22 @@ class Runner(Protocol):
 
     def warmup(self) -> None:
         """Run representative batches so the first request pays no first-use costs. Model thread only."""
+        ...
+
+
+@runtime_checkable
+class TokenRunner(Runner, Protocol):
+    """A runner that can also return one vector per token (``OutputKind.TOKENS``).
+
+    A token batch is prepared by ``prepare`` like any other and then run by these two instead of
+    ``forward``/``finish``. Model thread only.
+    """
+
+    def forward_tokens(self, prepared: Any) -> Any:
+        """Run the encoder on prepared inputs, keeping its last hidden states."""
+        ...
+
+    def finish_tokens(self, output: Any, prepared: Any) -> np.ndarray:
+        """float32 ``(sum of the real inputs' lengths, width)``: each input's tokens in order, inputs in
+        batch order, padded positions dropped."""
         ...

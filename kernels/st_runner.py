@@ -97,6 +97,8 @@ class SentenceTransformerRunner:
             normalized=normalized,
             aliases=tuple(aliases),
             **prompt_fields(path),
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            token_embeddings=True,
         )
 
     # -- CPU side ------------------------------------------------------------------------------------
@@ -136,6 +138,19 @@ class SentenceTransformerRunner:
 
     def finish(self, output: Any, prepared: Prepared) -> np.ndarray:
         rows: np.ndarray = output[: prepared.rows].float().cpu().numpy()
+        return rows
+
+    def forward_tokens(self, prepared: Prepared) -> Any:
+        """The pipeline's ``token_embeddings`` of the real tokens, ``(sum of lengths, hidden)``, as
+        ``encode(output_value="token_embeddings")`` returns them."""
+        torch = self._torch
+        with torch.inference_mode():
+            features = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
+            out = self.model(features)
+            return out["token_embeddings"][out["attention_mask"].bool()]
+
+    def finish_tokens(self, output: Any, prepared: Prepared) -> np.ndarray:
+        rows: np.ndarray = output.float().cpu().numpy()
         return rows
 
     def warmup(self) -> None:

@@ -143,6 +143,12 @@ class TokenizerAdapter:
             out.append(row)
         return out
 
+    def decode(self, ids: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
+        """The text of each id sequence (TEI's ``/decode``), special tokens left out when
+        ``skip_special_tokens``. Ids must be in ``0..vocab_size-1``. CPU work, any thread."""
+        seqs = [list(seq) for seq in ids]
+        return list(self._tok.decode_batch(seqs, skip_special_tokens=skip_special_tokens))
+
     def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
         """Truncate to fit ``max_tokens`` with the special tokens, then add them."""
         room = self.max_tokens - self.specials

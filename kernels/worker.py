@@ -12,10 +12,11 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
-from .protocol import Runner
+from .protocol import OutputKind, Runner, TokenRunner
 
 
 class DeviceThread:
@@ -34,7 +35,7 @@ class DeviceThread:
 
 @dataclass(frozen=True, slots=True)
 class BatchOutput:
-    rows: np.ndarray  # one float32 row per input, in batch order
+    rows: np.ndarray  # float32, in batch order: a row per input (pooled) or per token (tokens)
     prepare_s: float
     forward_s: float  # forward + finish on the device thread
 
@@ -52,28 +53,35 @@ class ModelWorker:
         self._overlap = overlap
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-prep-{runner.info.name}")
 
-    async def run(self, batch: Sequence[Sequence[int]]) -> BatchOutput:
-        """Run one batch of complete id sequences. Raises whatever the runner raised."""
+    async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind = OutputKind.POOLED) -> BatchOutput:
+        """Run one batch of complete id sequences, all of one output ``kind``. Raises whatever the
+        runner raised (a runner without token output asked for tokens raises TypeError)."""
         loop = asyncio.get_running_loop()
         if not self._overlap:
-            return await loop.run_in_executor(self._device.executor, self._prepare_and_forward, batch)
+            return await loop.run_in_executor(self._device.executor, self._prepare_and_forward, batch, kind)
         t0 = time.perf_counter()
         prepared = await loop.run_in_executor(self._cpu, self.runner.prepare, batch)
         t1 = time.perf_counter()
-        rows, forward_s = await loop.run_in_executor(self._device.executor, self._forward, prepared)
+        rows, forward_s = await loop.run_in_executor(self._device.executor, self._forward, prepared, kind)
         return BatchOutput(rows=rows, prepare_s=t1 - t0, forward_s=forward_s)
 
-    def _forward(self, prepared: object) -> tuple[np.ndarray, float]:
+    def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float]:
         # Device thread only.
         t0 = time.perf_counter()
-        rows = self.runner.finish(self.runner.forward(prepared), prepared)
+        if kind is OutputKind.TOKENS:
+            if not self.runner.info.token_embeddings:
+                raise TypeError(f"model {self.runner.info.name} does not return token embeddings")
+            runner = cast(TokenRunner, self.runner)
+            rows = runner.finish_tokens(runner.forward_tokens(prepared), prepared)
+        else:
+            rows = self.runner.finish(self.runner.forward(prepared), prepared)
         return rows, time.perf_counter() - t0
 
-    def _prepare_and_forward(self, batch: Sequence[Sequence[int]]) -> BatchOutput:
+    def _prepare_and_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> BatchOutput:
         # Device thread only.
         t0 = time.perf_counter()
         prepared = self.runner.prepare(batch)
-        rows, forward_s = self._forward(prepared)
+        rows, forward_s = self._forward(prepared, kind)
         return BatchOutput(rows=rows, prepare_s=time.perf_counter() - t0 - forward_s, forward_s=forward_s)
 
     async def warmup(self) -> None:

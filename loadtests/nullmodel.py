@@ -12,6 +12,7 @@ request with it.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ class NullForward:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self.info: ModelInfo = inner.info
+        self.info: ModelInfo = dataclasses.replace(inner.info, token_embeddings=False)  # pooled rows only
         self.tokens: Tokens = inner.tokens
         self.device = "cpu"
         row = np.ones(self.info.dim, dtype=np.float32)

@@ -68,26 +68,30 @@ def _retry_after(headers: Any) -> float | None:
 
 
 def parse_error(status: int, body: bytes, headers: Any) -> APIError:
-    """The server's error, whichever shape it used (OpenAI's ``{error: {...}}``, TEI's flat one)."""
+    """The server's error, whichever dialect it spoke (OpenAI's ``{error: {...}}``, TEI's ``{error,
+    error_type}``, Cohere's ``{message}``); the code comes from the body or the ``x-error-code``
+    header every Coalesce error carries."""
     try:
         data = json.loads(body)
     except ValueError:
         data = None
+    header_code = headers.get("x-error-code") if headers is not None else None
     detail = data.get("error") if isinstance(data, dict) else None
     if isinstance(detail, dict):
         return APIError(
             status,
             str(detail.get("message", "")),
-            code=detail.get("code"),
+            code=detail.get("code") or header_code,
             type=detail.get("type"),
             param=detail.get("param"),
             retry_after=_retry_after(headers),
         )
     if isinstance(data, dict) and ("message" in data or "error" in data):
         message = str(data.get("message") or data.get("error"))
-        return APIError(status, message, type=data.get("error_type"), retry_after=_retry_after(headers))
+        return APIError(status, message, code=header_code, type=data.get("error_type"),
+                        retry_after=_retry_after(headers))
     text = body.decode("utf-8", "replace").strip() or http.client.responses.get(status, "error")
-    return APIError(status, text, retry_after=_retry_after(headers))
+    return APIError(status, text, code=header_code, retry_after=_retry_after(headers))
 
 
 OnRetry = Callable[[APIError, float], None]

@@ -1,4 +1,6 @@
-"""The one closed error hierarchy, mapped to HTTP status and the OpenAI error shape here and only here.
+"""The one closed error hierarchy. Each class fixes our HTTP status and OpenAI ``type``; how each peer's
+clients see an error (OpenAI's, TEI's or Cohere's body and status) is mapped in ``dialects.py``, the one
+place that formats errors.
 
 Anything raised in a request path that is not a :class:`CoalesceError` is a bug: the error middleware
 logs it loudly and answers 500.
@@ -106,7 +108,3 @@ class InferenceFailed(CoalesceError):
     type = "server_error"
     default_code = "inference_failed"
 
-
-def to_body(err: CoalesceError) -> dict[str, object]:
-    """The OpenAI error shape."""
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

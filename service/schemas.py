@@ -56,6 +56,9 @@ class ModelList(msgspec.Struct, frozen=True):
     object: str = "list"
 
 
+# -- errors: one body per dialect (``dialects.py`` decides which a route answers with) ----------------
+
+
 class ErrorDetail(msgspec.Struct, frozen=True):
     message: str
     type: str
@@ -64,10 +67,28 @@ class ErrorDetail(msgspec.Struct, frozen=True):
 
 
 class ErrorResponse(msgspec.Struct, frozen=True):
+    """OpenAI's error body."""
+
     error: ErrorDetail
 
 
-# -- classification, reranking and the TEI routes (service/gateway/classify.py, rerank.py, tei.py) --
+TeiErrorType = Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
+
+
+class TeiError(msgspec.Struct, frozen=True):
+    """TEI's ``ErrorResponse``: the message and its ``ErrorType``."""
+
+    error: str
+    error_type: TeiErrorType
+
+
+class CohereError(msgspec.Struct, frozen=True):
+    """Cohere's error body (the ``cohere`` client raises it as an ``ApiError`` with this ``body``)."""
+
+    message: str
+
+
+# -- classification and reranking (service/gateway/classify.py, rerank.py) ---------------------------
 
 
 class ClassifyRequest(msgspec.Struct, frozen=True):
@@ -105,15 +126,18 @@ class RerankDocument(msgspec.Struct, frozen=True):
 
 
 class RerankRequest(msgspec.Struct, frozen=True):
-    """``POST /rerank`` in Cohere's shape (``documents``, ``top_n``, ``return_documents``) or TEI's
-    (``texts``, ``return_text``, ``raw_scores``); exactly one of ``documents`` and ``texts``."""
+    """``POST /rerank`` and ``/v1/rerank`` in Cohere's v1 shape (``documents``, ``top_n``,
+    ``return_documents``; Jina's and vLLM's are the same) or TEI's (``texts``, ``return_text``,
+    ``raw_scores``); exactly one of ``documents`` and ``texts``. ``return_documents`` left out means
+    the path's default (``/v1/rerank``: true, as Jina and vLLM answer; ``/rerank``: false)."""
 
     query: str
     documents: list[str | RerankDocument] | None = None
     texts: list[str] | None = None
     model: str | None = None
     top_n: int | None = None
-    return_documents: bool = False
+    return_documents: bool | None = None
+    max_tokens_per_doc: int | None = None
     return_text: bool = False
     raw_scores: bool = False
     truncate: bool | None = None
@@ -133,14 +157,60 @@ class RerankResponse(msgspec.Struct, frozen=True):
     object: str = "rerank"
 
 
+class RerankV2Request(msgspec.Struct, frozen=True):
+    """Cohere v2 ``POST /v2/rerank`` (what ``cohere.ClientV2.rerank`` sends). ``priority`` and
+    ``relevant_spans`` are accepted and ignored (``X-Priority`` orders work here)."""
+
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int | None = None
+    max_tokens_per_doc: int | None = None
+
+
+class RerankV2Result(msgspec.Struct, frozen=True):
+    index: int
+    relevance_score: float
+
+
+class ApiVersion(msgspec.Struct, frozen=True):
+    version: str
+
+
+class MetaTokens(msgspec.Struct, frozen=True):
+    input_tokens: int
+
+
+class RerankV2Meta(msgspec.Struct, frozen=True):
+    """Cohere's ``ApiMeta``, with what is true here: the API version spoken and the tokens computed
+    (nothing is billed, so no ``billed_units``)."""
+
+    api_version: ApiVersion
+    tokens: MetaTokens
+
+
+class RerankV2Response(msgspec.Struct, frozen=True):
+    """Cohere v2's ``V2RerankResponse``: results best first, without the documents (v2 has none)."""
+
+    id: str
+    results: list[RerankV2Result]
+    meta: RerankV2Meta
+
+
+# -- TEI (service/gateway/tei.py, tei_meta.py): named after TEI's own schemas, for an OpenAPI document --
+
+
 class TeiRank(msgspec.Struct, frozen=True, omit_defaults=True):
+    """TEI ``Rank``: one item of ``/rerank``'s bare array."""
+
     index: int
     score: float
     text: str | None = None
 
 
 class TeiEmbedRequest(msgspec.Struct, frozen=True):
-    """TEI ``POST /embed`` (what LlamaIndex's ``TextEmbeddingsInference`` and Haystack send)."""
+    """TEI ``EmbedRequest`` (``POST /embed``; what LlamaIndex's ``TextEmbeddingsInference`` and Haystack
+    send) → ``[[float]]``."""
 
     inputs: str | list[str]
     normalize: bool = True
@@ -151,7 +221,48 @@ class TeiEmbedRequest(msgspec.Struct, frozen=True):
     model: str | None = None
 
 
+class TeiEmbedAllRequest(msgspec.Struct, frozen=True):
+    """TEI ``EmbedAllRequest`` (``POST /embed_all``) → ``[[[float]]]``: per input, one vector per token
+    (special tokens included, padding never)."""
+
+    inputs: str | list[str]
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    prompt_name: str | None = None
+    model: str | None = None
+
+
+class SimilarityInput(msgspec.Struct, frozen=True):
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(msgspec.Struct, frozen=True):
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(msgspec.Struct, frozen=True):
+    """TEI ``SimilarityRequest`` (``POST /similarity``, and ``POST /`` when ``inputs`` is an object, as
+    ``huggingface_hub``'s ``sentence_similarity`` sends) → ``[float]``, one cosine per sentence."""
+
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+    model: str | None = None
+
+
+class DecodeRequest(msgspec.Struct, frozen=True):
+    """TEI ``DecodeRequest`` (``POST /decode``): ``ids`` one sequence or a batch → ``[str]``."""
+
+    ids: list[int | list[int]]  # msgspec unions hold one array type: the route checks homogeneity
+    skip_special_tokens: bool = True
+    model: str | None = None
+
+
 class TokenizeRequest(msgspec.Struct, frozen=True):
+    """TEI ``TokenizeRequest`` (``POST /tokenize``) → ``[[SimpleToken]]``."""
+
     inputs: str | list[str]
     add_special_tokens: bool = True
     model: str | None = None
@@ -180,16 +291,26 @@ class ServedTask(msgspec.Struct, frozen=True):
 
 
 class TeiInfo(msgspec.Struct, frozen=True):
-    """TEI ``GET /info`` for one model, plus ``models``: every served model and its task."""
+    """TEI ``Info`` (``GET /info``) for one model, every field TEI's document requires, plus ``models``:
+    every served model and its task. Nullable fields are sent as null, as TEI does."""
 
     model_id: str
+    model_sha: str | None
+    model_dtype: str
     model_type: dict[str, EmbeddingModelType | ClassifierModelType]
+    max_concurrent_requests: int
     max_input_length: int
     max_batch_tokens: int
-    max_batch_requests: int
+    max_batch_requests: int | None
     max_client_batch_size: int
     auto_truncate: bool
+    tokenization_workers: int
     version: str
+    sha: str | None
+    docker_label: str | None
+    served_model_name: str | None
+    prompts: dict[str, str] | None
+    # Our extras after TEI's fields (the model's prompts and quantisation ranges may join them).
     models: list[ServedTask]
 
 

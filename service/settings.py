@@ -49,6 +49,15 @@ def parse_task_spec(text: str) -> tuple[str, str]:
     return name, task
 
 
+def parse_named_value(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` for per-model flags (``--default-prompt-name``, ``--default-prompt``); the value
+    is kept as written, spaces included (a prompt usually ends with one)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value
+
+
 def _int_tuple(text: str) -> tuple[int, ...]:
     values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
     if not values or any(v <= 0 for v in values):
@@ -92,6 +101,24 @@ class Settings:
         flag="--task",
         repeat=True,
         parse=parse_task_spec,
+    )
+    default_prompt_names: tuple[tuple[str, str], ...] = _knob(
+        "The prompt a served model applies when a request names none, as NAME=PROMPT_NAME (one of the "
+        "model's own prompts, from config_sentence_transformers.json); repeatable. Default: the model's "
+        "default_prompt_name, if any. e5/bge-style models want 'query' for queries: set it when most "
+        "traffic is queries, and let indexers send prompt_name explicitly.",
+        default=(),
+        flag="--default-prompt-name",
+        repeat=True,
+        parse=parse_named_value,
+    )
+    default_prompts: tuple[tuple[str, str], ...] = _knob(
+        "A literal default prompt for a served model, as NAME=TEXT (e.g. 'e5=query: '); repeatable; wins "
+        "over --default-prompt-name. Requests naming a prompt still get theirs.",
+        default=(),
+        flag="--default-prompt",
+        repeat=True,
+        parse=parse_named_value,
     )
     host: str = _knob(
         "Address to listen on. 0.0.0.0 for containers; 127.0.0.1 to stay local.", default="0.0.0.0"

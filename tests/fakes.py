@@ -1,7 +1,8 @@
 """Deterministic runners with no model, for tests of everything above the runner.
 
 ``FakeRunner``: each input's vector depends on its token ids alone, so a test can compute what any
-caller must get back (``expected``) and catch results fanned out to the wrong caller. ``service_time``
+caller must get back (``expected``, and ``expected_tokens`` for per-token output) and catch results
+fanned out to the wrong caller. ``service_time``
 makes the forward take ``a + b × padded tokens`` seconds; ``fail_token`` makes any batch containing
 that id raise. It runs in-process only (its tokenizer is not a real one a gateway could rebuild).
 
@@ -12,6 +13,7 @@ and answers the same unit vector, so queues build up on demand and a gateway can
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections.abc import Sequence
@@ -57,12 +59,15 @@ class FakeTokens:
 @dataclass
 class FakeRunner:
     info: ModelInfo = field(
-        default_factory=lambda: ModelInfo(name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8)
+        default_factory=lambda: ModelInfo(
+            name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8, token_embeddings=True
+        )
     )
     batch_seconds: float = 0.0  # a: fixed cost of one forward
     token_seconds: float = 0.0  # b: cost per padded token
     fail_token: int | None = None
     batches: list[int] = field(default_factory=list)  # sizes of the batches run, for assertions
+    token_batches: list[int] = field(default_factory=list)  # sizes of the per-token batches run
     device: str = "cpu"
     capture_stats: None = None
 
@@ -93,8 +98,23 @@ class FakeRunner:
     def finish(self, output: list[list[int]], prepared: list[list[int]]) -> np.ndarray:
         return np.stack([self.vector(s) for s in output])
 
+    def forward_tokens(self, prepared: list[list[int]]) -> list[list[int]]:
+        self.token_batches.append(len(prepared))
+        return prepared
+
+    def finish_tokens(self, output: list[list[int]], prepared: list[list[int]]) -> np.ndarray:
+        return np.concatenate([self.token_rows(s) for s in output])
+
     def warmup(self) -> None:
         return None
+
+    def token_rows(self, seq: Sequence[int]) -> np.ndarray:
+        """One row per token: the vector of the sequence up to and including it."""
+        return np.stack([self.vector(seq[: i + 1]) for i in range(len(seq))])
+
+    def expected_tokens(self, text: str) -> np.ndarray:
+        """The per-token rows a caller must receive for ``text``."""
+        return self.token_rows(self.with_special_tokens(self.tokenize([text])[0]))
 
     def vector(self, seq: Sequence[int]) -> np.ndarray:
         seed = zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes())
@@ -111,7 +131,7 @@ class SlowForward:
     """A real runner's tokenizer and facts with a forward that sleeps ``seconds`` per batch."""
 
     def __init__(self, inner: Any, seconds: float) -> None:
-        self.info: ModelInfo = inner.info
+        self.info: ModelInfo = dataclasses.replace(inner.info, token_embeddings=False)  # pooled rows only
         self.tokens = inner.tokens
         self.device = "cpu"
         self.capture_stats = None

@@ -18,10 +18,10 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
-from coalesce.kernels.protocol import marks
+from coalesce.kernels.protocol import OutputKind, marks
 
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
@@ -42,14 +42,17 @@ class Output(Protocol):
 class Engine(Protocol):
     """What the batcher needs from a model worker (``coalesce.kernels.worker.ModelWorker`` fits)."""
 
-    async def run(self, batch: Sequence[Sequence[int]]) -> Output: ...
+    async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> Output: ...
 
 
 @dataclass(frozen=True, slots=True)
 class RequestResult:
-    """What one request's caller gets: a row per input, in order, and the timings of its batches."""
+    """What one request's caller gets: its rows, inputs in order, and the timings of its batches.
 
-    rows: np.ndarray  # (inputs, width) float32
+    Pooled: one row per input. Tokens: each input's ``len(ids)`` rows, one after the other (the caller
+    knows its inputs' lengths, so it splits them)."""
+
+    rows: np.ndarray  # (rows, width) float32
     queue_s: float  # the longest any of its inputs waited for a batch
     forward_s: float  # the longest forward among the batches its inputs rode in
 
@@ -57,30 +60,35 @@ class RequestResult:
 class _Job:
     """One request's inputs in flight: the caller's future and the rows gathered so far.
 
-    The future resolves once: when the last row arrives, or at the first failure. A failed or
-    cancelled job's inputs still waiting are swept from the queue, never computed.
+    The future resolves once: when the last input's rows arrive, or at the first failure. A failed or
+    cancelled job's inputs still waiting are swept from the queue, never computed. ``starts`` (token
+    output only) is where each input's rows begin in the request's rows; pooled inputs have one each.
     """
 
-    __slots__ = ("forward_s", "future", "left", "queue_s", "rows", "size")
+    __slots__ = ("forward_s", "future", "left", "queue_s", "rows", "size", "starts", "total")
 
-    def __init__(self, future: asyncio.Future[RequestResult], size: int) -> None:
+    def __init__(self, future: asyncio.Future[RequestResult], size: int,
+                 starts: list[int] | None = None, total: int | None = None) -> None:
         self.future = future
         self.size = size
         self.left = size
+        self.starts = starts
+        self.total = size if total is None else total
         self.queue_s = 0.0
         self.forward_s = 0.0
         self.rows: np.ndarray | None = None
 
-    def put(self, index: int, batch_rows: np.ndarray, row: int, queue_s: float, forward_s: float) -> None:
-        """Input ``index`` of the request came out as ``batch_rows[row]``."""
+    def put(self, index: int, block: np.ndarray, queue_s: float, forward_s: float) -> None:
+        """Input ``index`` of the request came out as ``block`` (its rows, a view of the batch's)."""
         if self.future.done():
             return
         if self.size == 1:
-            self.rows = batch_rows[row : row + 1]  # the common one-input request: a view, no copy
+            self.rows = block  # the common one-input request: a view, no copy
         else:
             if self.rows is None:
-                self.rows = np.empty((self.size, batch_rows.shape[1]), dtype=np.float32)
-            self.rows[index] = batch_rows[row]
+                self.rows = np.empty((self.total, block.shape[1]), dtype=np.float32)
+            start = index if self.starts is None else self.starts[index]
+            self.rows[start : start + block.shape[0]] = block
         self.queue_s = max(self.queue_s, queue_s)
         self.forward_s = max(self.forward_s, forward_s)
         self.left -= 1
@@ -114,18 +122,22 @@ class _Work:
         """Every request waiting for it has finished (failed, cancelled): nobody wants it now."""
         return all(job.future.done() for job, _ in self.waiters)
 
-    def put(self, batch_rows: np.ndarray, row: int, queue_s: float, forward_s: float) -> None:
+    def put(self, block: np.ndarray, queue_s: float, forward_s: float) -> None:
         for job, index in self.waiters:
-            job.put(index, batch_rows, row, queue_s, forward_s)
+            job.put(index, block, queue_s, forward_s)
 
     def fail(self, err: BaseException) -> None:
         for job, _ in self.waiters:
             job.fail(err)
 
 
-def input_key(ids: Sequence[int]) -> bytes:
-    """What decides an input's row: its token ids, and where a pair's segment B or pooling starts."""
-    return array("i", (*marks(ids), *ids)).tobytes()
+_KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
+
+
+def input_key(ids: Sequence[int], kind: OutputKind = OutputKind.POOLED) -> bytes:
+    """What decides an input's rows: the output asked for, its token ids, and where a pair's segment B
+    or pooling starts."""
+    return array("i", (_KINDS[kind], *marks(ids), *ids)).tobytes()
 
 
 class Batcher:
@@ -211,24 +223,26 @@ class Batcher:
         weight: float = 1.0,
         priority: int = 1,
         deadline: float | None = None,
+        kind: OutputKind = OutputKind.POOLED,
     ) -> asyncio.Future[RequestResult]:
         """Admit one request's inputs (complete id sequences), or raise why not before any work is done.
 
-        The future resolves with every input's row, or with the first failure; cancelling it drops the
-        inputs still waiting. Cached inputs are answered at once; an input identical to one already
-        queued or running (of any request) waits for that one. ``deadline`` is on ``time.monotonic()``.
+        The future resolves with every input's rows (of ``kind``), or with the first failure; cancelling
+        it drops the inputs still waiting. Cached inputs are answered at once; an input identical to one
+        already queued or running (of any request) waits for that one. ``deadline`` is on
+        ``time.monotonic()``.
         """
         self._refuse_if_closing()
         now = time.monotonic()
         cache, inflight = self._cache, self._inflight
-        keys = [input_key(ids) for ids in seqs]
+        keys = [input_key(ids, kind) for ids in seqs]
         hits: list[tuple[int, np.ndarray]] = []
         shared: list[tuple[int, _Work]] = []
         fresh: dict[bytes, list[int]] = {}  # distinct new inputs of this request, by key → positions
         for i, key in enumerate(keys):
-            row = cache.get(self.model, key) if cache is not None else None
-            if row is not None:
-                hits.append((i, row))
+            block = cache.get(self.model, key) if cache is not None else None
+            if block is not None:
+                hits.append((i, block))
             elif key in fresh:
                 fresh[key].append(i)
             elif (work := inflight.get(key)) is not None and priority >= work.priority:
@@ -241,7 +255,11 @@ class Batcher:
                 self._metrics.rejected.labels(self.model, refusal.reason).inc()
                 raise _refusal_error(refusal, self.model)
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        job = _Job(future, len(seqs))
+        if kind is OutputKind.TOKENS:
+            ends = np.cumsum([len(ids) for ids in seqs]).tolist()
+            job = _Job(future, len(seqs), starts=[0, *ends[:-1]], total=ends[-1])
+        else:
+            job = _Job(future, len(seqs))
         future.add_done_callback(self._on_job_done)
         series = self._series
         if cache is not None:
@@ -260,10 +278,11 @@ class Batcher:
             work = _Work(seqs[positions[0]], key, job, positions[0], deadline, priority)
             work.waiters += [(job, p) for p in positions[1:]]
             inflight[key] = work
-            work.entry = Entry(len(work.ids), now, tenant, weight, priority, deadline, payload=work, flow=job)
+            work.entry = Entry(len(work.ids), now, tenant, weight, priority, deadline, payload=work, flow=job,
+                               kind=kind)
             entries.append(work.entry)
-        for i, row in hits:
-            job.put(i, row[None, :], 0, 0.0, 0.0)
+        for i, block in hits:
+            job.put(i, block, 0.0, 0.0)
         if entries:
             self.scheduler.add(entries)
             self._idle.clear()
@@ -367,8 +386,13 @@ class Batcher:
         m, model = self._series, self.model
         start = time.monotonic()
         seconds: float | None = None
+        kind = cast(OutputKind, batch[0].kind)  # the batcher gives every entry one
         try:
-            out = await self._engine.run([e.payload.ids for e in batch])
+            out = await self._engine.run([e.payload.ids for e in batch], kind)
+            # The rows each input gets: one (pooled), or one per token.
+            sizes = [len(e.payload.ids) if kind is OutputKind.TOKENS else 1 for e in batch]
+            if out.rows.shape[0] != sum(sizes):
+                raise RuntimeError(f"the runner returned {out.rows.shape[0]} rows for {sum(sizes)}")
         except Exception as exc:  # the runner's failure reaches exactly this batch
             m.batch_failures.inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
@@ -381,12 +405,15 @@ class Batcher:
         else:
             seconds = out.forward_s
             rows, cache, inflight = out.rows, self._cache, self._inflight
-            for k, e in enumerate(batch):
+            at = 0
+            for e, size in zip(batch, sizes, strict=True):
                 work = e.payload
+                block = rows[at : at + size]
+                at += size
                 inflight.pop(work.key, None)
-                work.put(rows, k, start - e.arrival, seconds)
+                work.put(block, start - e.arrival, seconds)
                 if cache is not None:
-                    cache.put(self.model, work.key, rows[k], len(work.key))
+                    cache.put(self.model, work.key, block, len(work.key))
             if cache is not None:
                 self._metrics.cache_bytes.set(cache.bytes)
             self._record(batch, padded, start, out)

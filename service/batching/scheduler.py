@@ -7,8 +7,9 @@ It owns the waiting entries of one model and decides, when asked with the curren
 * **order** — tenants share the model by weight (start-time fair queuing over tokens: the tenant that
   has received the least service per unit of weight goes next); within a tenant, priority classes go
   high → normal → low, and a waiting entry gains one class per ``priority_aging_s`` so none starves;
-* **the next batch** — by strategy: ``none`` (one input at a time), ``fixed`` (wait up to a window for a
-  batch of fixed size, like the peers), ``adaptive`` (dispatch as soon as the model has room; size each
+* **the next batch** — of one kind (the most urgent entry's: pooled and per-token inputs never share
+  a forward), by strategy: ``none`` (one input at a time), ``fixed`` (wait up to a window for a batch
+  of fixed size, like the peers), ``adaptive`` (dispatch as soon as the model has room; size each
   batch as the largest that keeps the oldest waiting entry within the latency target, and go for
   throughput when the target is already lost); shed entries whose deadline has passed or cannot be met.
 
@@ -59,6 +60,7 @@ class Entry:
     deadline: float | None = None
     payload: Any = None
     flow: Any = None  # the request it belongs to
+    kind: object = None  # what the runner returns for it: entries of different kinds never share a batch
     taken: bool = field(default=False, repr=False)
 
 
@@ -200,6 +202,9 @@ class Scheduler:
         window = self._fair_window(now)
         if not window:
             return None, expired, shed
+        # The batch is of the most urgent entry's kind; the others wait for a batch of their own.
+        kind = window[0].kind
+        window = [e for e in window if e.kind == kind]
         cfg = self.config
         start = max(now, self.busy_until)
         if cfg.strategy == "none":

@@ -7,7 +7,9 @@ msgpack-encoded; arrays follow as raw frames, never inside the encoding:
 * ``Submit`` carries one int32 frame per request: the sequences' lengths, then (for marked sequences:
   text pairs, prompts left out of pooling) where each one's second segment and its pooling start, then
   every token id, concatenated;
-* ``Results`` carries one float32 frame per finished request: its rows, ``n × dim``, in input order.
+* ``Results`` carries one float32 frame per finished request: its rows, ``n × dim``, in input order
+  (one row per sequence, or for a ``tokens`` job one per token, which the gateway splits by the
+  lengths it sent).
 
 Gateway → engine: ``Hello`` (once connected), ``Submit`` (requests of one event-loop turn), ``Cancel``
 (callers that left or ran out of time). Engine → gateway: ``Welcome`` (the served models, once
@@ -55,7 +57,8 @@ class Welcome(msgspec.Struct, frozen=True, tag=True):
 
 
 class Job(msgspec.Struct, frozen=True, array_like=True):
-    """One request: ``n`` sequences for model ``model`` (its index in ``Welcome.models``)."""
+    """One request: ``n`` sequences for model ``model`` (its index in ``Welcome.models``). ``tokens``:
+    it asks for every token's vector (``OutputKind.TOKENS``), not one row per sequence."""
 
     id: int
     model: int
@@ -65,6 +68,7 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
     weight: float
     priority: int
     deadline: float  # time.monotonic(), the same clock in every process of the host
+    tokens: bool = False
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):

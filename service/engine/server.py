@@ -26,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 import zmq
 import zmq.asyncio
-from coalesce.kernels.protocol import Runner
+from coalesce.kernels.protocol import OutputKind, Runner
 from zmq.utils.monitor import recv_monitor_message
 
 from ..batching.batcher import RequestResult
@@ -120,9 +120,12 @@ class GatewayLink:
                 if not 0 <= job.model < len(models):
                     raise wire.ProtocolError(f"job {job.id}: no model {job.model}")
                 model = models[job.model]
+                if job.tokens and not model.info.token_embeddings:
+                    raise wire.ProtocolError(f"job {job.id}: model {job.model} returns no token embeddings")
                 seqs = wire.unpack_job(job, frame.buffer, model.info)
                 fut = model.batcher.submit(
-                    seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline
+                    seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline,
+                    kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED,
                 )
             except wire.ProtocolError as exc:
                 log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))

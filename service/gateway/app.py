@@ -1,8 +1,9 @@
 """``create_app(settings)``: the whole HTTP surface composed in one place.
 
 Middlewares (outermost first): ``observe`` binds the request id, counts in-flight requests and records
-metrics and the per-request log line; ``errors`` turns every failure into the OpenAI error shape, the
-one mapping in the service. Models load in the background (see ``models.load_models``) so the
+metrics and the per-request log line; ``errors`` turns every failure into the error shape of the dialect
+its route speaks (``routing``: OpenAI's, TEI's or Cohere's), rendered by ``dialects.render``, the one
+mapping in the service. Models load in the background (see ``models.load_models``) so the
 listener answers ``/health`` at once.
 """
 
@@ -18,6 +19,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..dialects import Dialect, render
 from ..engine.core import RunnerFactory, default_factory
 from ..errors import (
     CoalesceError,
@@ -25,26 +27,28 @@ from ..errors import (
     MethodNotAllowed,
     PayloadTooLarge,
     RouteNotFound,
-    to_body,
 )
 from ..logs import get_logger
 from ..metrics import Metrics
 from ..schemas import ModelCard, ModelList
 from ..settings import Settings
-from . import classify, rerank, tei
+from . import classify, rerank, tei, tei_meta
 from .auth import KEYS, KeyRing, authenticate
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
 from .models import MODELS, ModelRegistry
 from .remote import RemoteBackend
 from .responses import json_response
+from .routing import add_route, dialect_of
 from .state import LIFECYCLE, METRICS, SETTINGS, Handler, Lifecycle, Phase
 
 log = get_logger("coalesce.gateway")
 
 
-def error_response(err: CoalesceError) -> web.Response:
-    return json_response(to_body(err), status=err.status, headers=err.headers())
+def error_response(err: CoalesceError, dialect: Dialect) -> web.Response:
+    """``err`` answered as ``dialect``'s clients expect it."""
+    rendered = render(err, dialect)
+    return json_response(rendered.body, status=rendered.status, headers=rendered.headers)
 
 
 # Request ids: a random per-process prefix and a counter: unique across replicas in practice, and
@@ -84,17 +88,18 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except CoalesceError as err:
         if err.status >= 500:
             log.warning("request_failed", status=err.status, code=err.code, error=err.message)
-        return error_response(err)
+        return error_response(err, dialect_of(request))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(_from_http(exc, request))
+        return error_response(_from_http(exc, request), dialect_of(request))
     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
         raise
     except Exception:
         # A broken invariant: loud in the log, a plain 500 to the client.
         log.exception("unhandled_error", route=request.path)
-        return error_response(CoalesceError("Internal server error.", code="internal_error"))
+        internal = CoalesceError("Internal server error.", code="internal_error")
+        return error_response(internal, dialect_of(request))
 
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:
@@ -156,16 +161,17 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     else:
         app[BACKEND] = LocalBackend(settings, metrics, registry, runner_factory or default_factory(settings))
     app.cleanup_ctx.append(_models)
-    app.router.add_post("/v1/embeddings", create_embeddings)
-    app.router.add_post("/embeddings", create_embeddings)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/models", list_models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics_route)
-    classify.add_routes(app)  # /classify, /predict
-    rerank.add_routes(app)  # /rerank
-    tei.add_routes(app)  # /embed, /info, /tokenize, /
+    add_route(app, "POST", "/v1/embeddings", create_embeddings)
+    add_route(app, "POST", "/embeddings", create_embeddings)
+    add_route(app, "GET", "/v1/models", list_models)
+    add_route(app, "GET", "/models", list_models)
+    add_route(app, "GET", "/health", health)
+    add_route(app, "GET", "/ready", ready)
+    add_route(app, "GET", "/metrics", metrics_route)
+    classify.add_routes(app)  # /classify (OpenAI's errors), /predict (TEI's)
+    rerank.add_routes(app)  # /rerank (TEI's or Cohere's errors, by shape), /v1/rerank, /v2/rerank (Cohere's)
+    tei.add_routes(app)  # /embed, /embed_all, /similarity, / (TEI's errors)
+    tei_meta.add_routes(app)  # /info, /tokenize, /decode (TEI's errors)
     return app
 
 

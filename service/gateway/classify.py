@@ -19,6 +19,7 @@ import numpy as np
 from aiohttp import web
 from coalesce.kernels.protocol import Task
 
+from ..dialects import Dialect
 from ..errors import InvalidRequest
 from ..schemas import ClassifyRequest, ClassifyResponse, Prediction, PredictRequest, Usage, decode
 from .admission import Admission, admission
@@ -27,6 +28,7 @@ from .facade import ServedModel
 from .inputs import checked_items, encode_pairs, encode_texts, truncating
 from .models import pick_model
 from .responses import activate, ranked, respond
+from .routing import add_route
 from .state import SETTINGS
 
 # Cosine similarities of one input to its labels sit close together (say 0.1..0.6); the softmax scale
@@ -212,6 +214,6 @@ async def predict(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     """Register the classification routes and the zero-shot label cache on ``app``."""
     app[LABELS] = LabelCache(LABEL_CACHE_SIZE)
-    app.router.add_post("/classify", classify)
-    app.router.add_post("/v1/classify", classify)
-    app.router.add_post("/predict", predict)
+    add_route(app, "POST", "/classify", classify)
+    add_route(app, "POST", "/v1/classify", classify)
+    add_route(app, "POST", "/predict", predict, Dialect.TEI)

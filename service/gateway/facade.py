@@ -23,11 +23,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
-from coalesce.kernels.protocol import ModelInfo, Tokens
+from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
+from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 
 from ..batching.batcher import Batcher, RequestResult
 from ..engine.core import Engine, RunnerFactory
-from ..errors import DeadlineExceeded, Overloaded
+from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..settings import Settings
 from .admission import Admission
@@ -87,19 +88,48 @@ class ServedModel:
                 fut.set_result(ids[start : start + len(texts)])
             start += len(texts)
 
+    def adapter(self) -> TokenizerAdapter:
+        """The model's full tokenizer (offsets, decoding); a 400 for a model without one."""
+        if not isinstance(self.tokens, TokenizerAdapter):
+            raise InvalidRequest(
+                f"Model '{self.info.name}' has no tokenizer that shows offsets or decodes.",
+                param="model",
+                code="unsupported",
+            )
+        return self.tokens
+
+    async def spans(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[TokenSpan]]:
+        """Each text's tokens with their character offsets (TEI's ``/tokenize``), on this model's
+        tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu, self.adapter().spans, texts, add_special_tokens)
+
+    async def decode(self, ids: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
+        """Texts of token id sequences (TEI's ``/decode``), on this model's tokenizer thread. The ids
+        must be in the vocabulary (the route checks)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu, self.adapter().decode, ids, skip_special_tokens)
+
     # -- running -------------------------------------------------------------------------------------
     def check_room(self, adm: Admission) -> None:
         """Raise (429, 503) when the model cannot take more work now, before any tokenising."""
         raise NotImplementedError
 
-    def submit(self, seqs: Sequence[Sequence[int]], adm: Admission) -> asyncio.Future[RequestResult]:
+    def submit(
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
+    ) -> asyncio.Future[RequestResult]:
         """Hand complete id sequences to the model (raising its refusal at once); cancelling the
         future withdraws what has not run."""
         raise NotImplementedError
 
-    async def infer(self, seqs: Sequence[Sequence[int]], adm: Admission) -> RequestResult:
-        """Run one request's inputs under its admission, answered by its deadline (504 past it)."""
-        fut = self.submit(seqs, adm)
+    async def infer(
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind = OutputKind.POOLED
+    ) -> RequestResult:
+        """Run one request's inputs under its admission, answered by its deadline (504 past it).
+
+        ``kind`` TOKENS asks for every token's vector (``info.token_embeddings`` models only): the
+        result then holds each input's ``len(seq)`` rows, one input after the other."""
+        fut = self.submit(seqs, adm, kind)
         # The deadline is one timer that cancels what is still awaited (cheaper on this path than
         # asyncio.timeout); `expired` tells its cancellation from the task's own.
         expired = False
@@ -140,9 +170,12 @@ class LocalModel(ServedModel):
     def check_room(self, adm: Admission) -> None:
         self._batcher.check_room(adm.tenant)
 
-    def submit(self, seqs: Sequence[Sequence[int]], adm: Admission) -> asyncio.Future[RequestResult]:
+    def submit(
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
+    ) -> asyncio.Future[RequestResult]:
         return self._batcher.submit(
-            seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline
+            seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline,
+            kind=kind,
         )
 
 
@@ -171,8 +204,10 @@ class RemoteModel(ServedModel):
                 code="queue_full",
             )
 
-    def submit(self, seqs: Sequence[Sequence[int]], adm: Admission) -> asyncio.Future[RequestResult]:
-        return self._client.submit(self._index, seqs, adm)
+    def submit(
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
+    ) -> asyncio.Future[RequestResult]:
+        return self._client.submit(self._index, seqs, adm, kind)
 
 
 class Backend(Protocol):

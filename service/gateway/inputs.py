@@ -150,10 +150,12 @@ async def encode_pairs(
     cut: bool,
     field: str,
     positions: Sequence[int] | None = None,
+    max_b: int | None = None,
 ) -> list[PairIds]:
     """Complete id sequences for text pairs (segment B marked), truncated longest-first or rejected.
 
     Each distinct string is tokenised once, so a rerank query shared by every pair costs one pass.
+    ``max_b`` first cuts every second text to that many tokens (Cohere's ``max_tokens_per_doc``).
     """
     distinct = list(dict.fromkeys(s for pair in pairs for s in pair))
     model.check_room(adm)  # refuse a flood before tokenising it
@@ -162,7 +164,7 @@ async def encode_pairs(
     specials = len(tokens.pair_with_special_tokens([], [])[0])
     seqs = []
     for i, (a, b) in enumerate(pairs):
-        ids_a, ids_b = ids_of[a], ids_of[b]
+        ids_a, ids_b = ids_of[a], ids_of[b][:max_b]
         total = len(ids_a) + len(ids_b) + specials
         if total > model.info.max_tokens and not cut:
             raise _too_long(model.info, field, positions[i] if positions else i, total, SEND_TRUNCATE)

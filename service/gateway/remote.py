@@ -21,6 +21,7 @@ from typing import cast
 import numpy as np
 import zmq
 import zmq.asyncio
+from coalesce.kernels.protocol import OutputKind
 from coalesce.kernels.tokens import TokenizerAdapter
 from zmq.utils.monitor import recv_monitor_message
 
@@ -100,9 +101,10 @@ class EngineClient:
         return q.tokens, q.drain_s
 
     def submit(
-        self, model: int, seqs: Sequence[Sequence[int]], adm: Admission
+        self, model: int, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind = OutputKind.POOLED
     ) -> asyncio.Future[RequestResult]:
-        """Send one request; the future resolves with its rows, or raises the engine's refusal."""
+        """Send one request; the future resolves with its rows (of ``kind``), or raises the engine's
+        refusal."""
         self.check_open()
         job_id = next(self._ids)
         marked, frame = wire.pack_job(seqs)
@@ -111,7 +113,8 @@ class EngineClient:
         self._waiting[job_id] = fut
         self._idle.clear()
         self._jobs.append(
-            wire.Job(job_id, model, len(seqs), marked, adm.tenant, adm.weight, adm.priority, adm.deadline)
+            wire.Job(job_id, model, len(seqs), marked, adm.tenant, adm.weight, adm.priority, adm.deadline,
+                     kind is OutputKind.TOKENS)
         )
         self._frames.append(frame)
         self._schedule_flush()

@@ -1,51 +1,61 @@
-"""Text Embeddings Inference (TEI) routes: ``POST /embed``, ``GET /info``, ``POST /tokenize``, ``POST /``.
+"""Text Embeddings Inference (TEI) embedding routes: ``POST /embed``, ``/embed_all``, ``/similarity``, ``/``.
 
 So clients written for TEI work unchanged: LlamaIndex's ``TextEmbeddingsInference`` posts ``{inputs,
 truncate}`` to ``/embed``; Haystack's TEI embedders go through ``huggingface_hub``'s
-``InferenceClient``, which posts ``{inputs}`` to the server's root. TEI serves one model, so its
-requests name none: they get the first served model of the right task; ``model`` may be added to
-choose another. ``/predict`` and ``/rerank`` live with their tasks (classify.py, rerank.py).
+``InferenceClient``, which posts ``{inputs}`` to the server's root (and ``{inputs: {source_sentence,
+sentences}}`` for ``sentence_similarity``). TEI serves one model, so its requests name none: they get
+the first served model of the right task; ``model`` may be added to choose another. Every TEI route
+answers errors in TEI's dialect (``dialects.py``). ``/info``, ``/tokenize`` and ``/decode`` live in
+``tei_meta.py``; ``/predict`` and ``/rerank`` with their tasks (classify.py, rerank.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-
+import msgspec
 import numpy as np
 from aiohttp import web
-from coalesce.kernels.protocol import Task
-from coalesce.kernels.tokens import TokenizerAdapter
+from coalesce.kernels.protocol import OutputKind, Task
 
+from ..dialects import Dialect
 from ..errors import InvalidRequest
 from ..schemas import (
-    ClassifierModelType,
-    EmbeddingModelType,
-    ServedTask,
-    SimpleToken,
+    SimilarityParameters,
+    SimilarityRequest,
+    TeiEmbedAllRequest,
     TeiEmbedRequest,
-    TeiInfo,
-    TokenizeRequest,
     decode,
 )
 from . import classify, rerank
 from .admission import admission
 from .embeddings import vector
-from .facade import ServedModel
-from .inputs import check_dimensions, checked_items, encode_texts, truncating
-from .models import MODELS, pick_model
-from .responses import json_response, respond
+from .inputs import check_dimensions, checked_items, encode_texts, fit_sequences, truncating
+from .models import pick_model
+from .responses import respond
+from .routing import add_route
 from .state import SETTINGS
 
 _ALL_TASKS = tuple(Task)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def no_prompt(prompt_name: str | None, field: str = "prompt_name") -> None:
+    """Prompts are not applied here (yet): refuse ``prompt_name`` rather than embed without it."""
+    if prompt_name is not None:
+        raise InvalidRequest(
+            "This server applies no prompts; put the prompt in front of the text.",
+            param=field,
+            code="unsupported",
+        )
 
-    try:
-        return version("coalesce")
-    except PackageNotFoundError:
-        return "unknown"
+
+def keeps_end(direction: str, field: str = "truncation_direction") -> bool:
+    """TEI's ``truncation_direction`` (``left``/``right``, any case): True when truncation keeps the
+    end of the text (``left``)."""
+    lowered = direction.lower()
+    if lowered not in ("left", "right"):
+        raise InvalidRequest(
+            f"'{field}' must be left or right; got {direction!r}.", param=field, code="invalid_value"
+        )
+    return lowered == "left"
 
 
 async def embed(request: web.Request) -> web.Response:
@@ -54,24 +64,12 @@ async def embed(request: web.Request) -> web.Response:
     adm = admission(request)
     req = decode(await request.read(), TeiEmbedRequest)
     model = pick_model(request, req.model, (Task.EMBED,), "/embed")
-    if req.prompt_name is not None:
-        raise InvalidRequest(
-            "This server applies no prompts; put the prompt in front of the text.",
-            param="prompt_name",
-            code="unsupported",
-        )
-    direction = req.truncation_direction.lower()
-    if direction not in ("left", "right"):
-        raise InvalidRequest(
-            f"'truncation_direction' must be left or right; got {req.truncation_direction!r}.",
-            param="truncation_direction",
-            code="invalid_value",
-        )
+    no_prompt(req.prompt_name)
+    left = keeps_end(req.truncation_direction)
     check_dimensions(req.dimensions, model.info)
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
-    seqs = await encode_texts(
-        model, adm, texts, cut=truncating(request, req.truncate), field="inputs", left=direction == "left"
-    )
+    cut = truncating(request, req.truncate)
+    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left)
     result = await model.infer(seqs, adm)
     rows = []
     for row in result.rows:
@@ -86,58 +84,84 @@ async def embed(request: web.Request) -> web.Response:
     return respond(rows, result, sum(len(s) for s in seqs))
 
 
-def _model_type(served: ServedModel) -> dict[str, EmbeddingModelType | ClassifierModelType]:
-    info = served.info
-    if info.task is Task.EMBED:
-        return {"embedding": EmbeddingModelType(pooling="sentence-transformers")}
-    labels = ClassifierModelType(
-        id2label={str(i): label for i, label in enumerate(info.labels)},
-        label2id={label: i for i, label in enumerate(info.labels)},
-    )
-    return {"classifier" if info.task is Task.CLASSIFY else "reranker": labels}
-
-
-async def info(request: web.Request) -> web.Response:
-    """``GET /info[?model=NAME]``: TEI's description of one model (default: the first), plus every
-    served model and its task under ``models``."""
-    model = pick_model(request, request.query.get("model"), _ALL_TASKS, "/info")
-    settings = request.app[SETTINGS]
-    body = TeiInfo(
-        model_id=model.info.name,
-        model_type=_model_type(model),
-        max_input_length=model.info.max_tokens,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_batch_requests=settings.max_batch_size,
-        max_client_batch_size=settings.max_inputs,
-        auto_truncate=settings.truncate,
-        version=_version(),
-        models=[ServedTask(id=m.info.name, task=str(m.info.task)) for m in request.app[MODELS].models],
-    )
-    return json_response(body)
-
-
-async def tokenize(request: web.Request) -> web.Response:
-    """``POST /tokenize``: each input's tokens as ``{id, text, special, start, stop}`` (character offsets)."""
-    req = decode(await request.read(), TokenizeRequest)
-    model = pick_model(request, req.model, _ALL_TASKS, "/tokenize")
-    texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
-    tokens = model.tokens
-    if not isinstance(tokens, TokenizerAdapter):
+async def embed_all(request: web.Request) -> web.Response:
+    """``POST /embed_all``: ``{inputs, truncate, truncation_direction}`` → ``[[[float]]]``: for each
+    input, its tokens' last hidden states (special tokens included, padding never), as
+    sentence-transformers' ``encode(output_value="token_embeddings")`` gives them. The inputs run in
+    batches of token requests only."""
+    adm = admission(request)
+    req = decode(await request.read(), TeiEmbedAllRequest)
+    model = pick_model(request, req.model, (Task.EMBED,), "/embed_all")
+    no_prompt(req.prompt_name)
+    left = keeps_end(req.truncation_direction)
+    if not model.info.token_embeddings:
         raise InvalidRequest(
-            f"Model '{model.info.name}' has no tokenizer offsets to show.", param="model", code="unsupported"
+            f"Model '{model.info.name}' does not return token embeddings.", param="model", code="unsupported"
         )
-    spans = await asyncio.get_running_loop().run_in_executor(
-        None, tokens.spans, texts, req.add_special_tokens
-    )
-    body = [[SimpleToken(s.id, s.text, s.special, s.start, s.stop) for s in row] for row in spans]
-    return json_response(body)
+    texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
+    cut = truncating(request, req.truncate)
+    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left)
+    result = await model.infer(seqs, adm, OutputKind.TOKENS)
+    out = []
+    at = 0
+    for seq in seqs:
+        out.append(result.rows[at : at + len(seq)].tolist())
+        at += len(seq)
+    return respond(out, result, at)
+
+
+async def similarity(request: web.Request) -> web.Response:
+    """``POST /similarity``: ``{inputs: {source_sentence, sentences}, parameters}`` → ``[float]``, the
+    cosine of each sentence's embedding with the source's. All of them are one request's inputs."""
+    adm = admission(request)
+    req = decode(await request.read(), SimilarityRequest)
+    model = pick_model(request, req.model, (Task.EMBED,), "/similarity")
+    params = req.parameters or SimilarityParameters()
+    no_prompt(params.prompt_name, "parameters.prompt_name")
+    left = keeps_end(params.truncation_direction, "parameters.truncation_direction")
+    source = req.inputs.source_sentence
+    if not source:
+        raise InvalidRequest(
+            "'inputs.source_sentence' must not be empty.", param="inputs.source_sentence", code="empty_input"
+        )
+    sentences = checked_items(req.inputs.sentences, "inputs.sentences", request.app[SETTINGS].max_inputs)
+    model.check_room(adm)  # refuse a flood before tokenising it
+    raw = await model.tokenize([source, *sentences])
+    cut = truncating(request, params.truncate)
+    seqs = fit_sequences(model, raw[:1], cut=cut, field="inputs.source_sentence", left=left)
+    seqs += fit_sequences(model, raw[1:], cut=cut, field="inputs.sentences", left=left)
+    result = await model.infer(seqs, adm)
+    rows = result.rows.astype(np.float64)
+    norms = np.linalg.norm(rows, axis=1)
+    unit = rows / np.where(norms > 0, norms, 1.0)[:, None]
+    return respond((unit[1:] @ unit[0]).tolist(), result, sum(len(s) for s in seqs))
+
+
+class _RootShape(msgspec.Struct):
+    inputs: msgspec.Raw = msgspec.Raw()
+
+
+_root_shape = msgspec.json.Decoder(_RootShape)
+
+
+def _is_similarity(body: bytes) -> bool:
+    """Whether ``inputs`` is an object (``{source_sentence, sentences}``): a similarity request."""
+    try:
+        inputs = bytes(_root_shape.decode(body).inputs)
+    except msgspec.MsgspecError:
+        return False
+    return inputs.lstrip().startswith(b"{")
 
 
 async def root(request: web.Request) -> web.StreamResponse:
     """``POST /``: like TEI, the route of the default (first) model's task — what ``huggingface_hub``'s
-    ``InferenceClient`` (and so Haystack) posts to when given the server's URL."""
+    ``InferenceClient`` (and so Haystack) posts to when given the server's URL. For an embedding model,
+    a body whose ``inputs`` is ``{source_sentence, sentences}`` is a similarity request (TEI needs
+    ``TASK=sentence-similarity`` for that; the body says it plainly)."""
     first = pick_model(request, None, _ALL_TASKS, "/")
     if first.info.task is Task.EMBED:
+        if _is_similarity(await request.read()):
+            return await similarity(request)
         return await embed(request)
     if first.info.task is Task.RERANK:
         return await rerank.rerank(request)
@@ -145,8 +169,8 @@ async def root(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
-    """Register the TEI routes on ``app``."""
-    app.router.add_post("/embed", embed)
-    app.router.add_get("/info", info)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/", root)
+    """Register the TEI embedding routes on ``app``."""
+    add_route(app, "POST", "/embed", embed, Dialect.TEI)
+    add_route(app, "POST", "/embed_all", embed_all, Dialect.TEI)
+    add_route(app, "POST", "/similarity", similarity, Dialect.TEI)
+    add_route(app, "POST", "/", root, Dialect.TEI)

@@ -76,6 +76,19 @@ async def post(url: str, path: str, body: Any) -> tuple[int, Any]:
         return r.status, await r.json(content_type=None)
 
 
+async def refused(url: str, path: str, body: Any) -> tuple[int, str, str, str]:
+    """(status, dialect, message, code) of an error answer, whichever dialect the route speaks."""
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        got = await r.json(content_type=None)
+        code = r.headers["x-error-code"]
+    if set(got) == {"message"}:
+        return r.status, "cohere", got["message"], code
+    if set(got) == {"error", "error_type"}:
+        return r.status, "tei", got["error"], code
+    assert got["error"]["code"] == code
+    return r.status, "openai", got["error"]["message"], code
+
+
 def by_label(row: list[dict[str, Any]]) -> np.ndarray:
     scores = {p["label"]: p["score"] for p in row}
     return np.array([scores[label] for label in LABELS])
@@ -110,7 +123,7 @@ async def test_tei_predict_shapes_and_pairs(server: ServerThread, hf_classifier:
     )
     np.testing.assert_allclose(by_label(batch[1]), want_pair, atol=1e-5)
     status, err = await post(server.url, "/predict", {"inputs": ["a", "b", "c"]})
-    assert status == 400 and err["error"]["param"] == "inputs"
+    assert status == 422 and err["error_type"] == "Validation" and "'inputs'" in err["error"]
 
 
 async def test_rerank_matches_cross_encoder_in_both_shapes(server: ServerThread, cross_encoder: Any) -> None:
@@ -230,38 +243,39 @@ async def test_zero_shot_with_the_packaged_model_ranks_the_obvious_label_first(s
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "code"),
+    ("path", "body", "status", "dialect", "code"),
     [
-        ("/rerank", {"model": EMBEDDER, "query": "q", "documents": ["d"]}, "wrong_task"),
-        ("/rerank", {"model": "clf", "query": "q", "texts": ["d"]}, "wrong_task"),
-        ("/classify", {"model": "rr", "input": ["x"]}, "wrong_task"),
-        ("/classify", {"model": EMBEDDER, "input": ["x"]}, "missing_labels"),
-        ("/classify", {"model": "clf", "input": ["x"], "labels": ["a"]}, "unexpected_labels"),
-        ("/classify", {"input": ["x"], "labels": ["a", "a"]}, "duplicate_labels"),
-        ("/predict", {"model": EMBEDDER, "inputs": "x"}, "wrong_task"),
-        ("/embed", {"model": "clf", "inputs": "x"}, "wrong_task"),
-        ("/v1/embeddings", {"model": "clf", "input": "x"}, "wrong_task"),
-        ("/v1/embeddings", {"model": "rr", "input": ["x"]}, "wrong_task"),
-        ("/rerank", {"query": "q", "documents": ["d"], "texts": ["d"]}, "invalid_request"),
-        ("/rerank", {"query": "q", "documents": []}, "empty_input"),
-        ("/rerank", {"query": "", "documents": ["d"]}, "empty_input"),
-        ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "invalid_top_n"),
-        ("/rerank", {"query": "q", "texts": ["d", ""]}, "empty_input"),
+        ("/rerank", {"model": EMBEDDER, "query": "q", "documents": ["d"]}, 400, "cohere", "wrong_task"),
+        ("/rerank", {"model": "clf", "query": "q", "texts": ["d"]}, 422, "tei", "wrong_task"),
+        ("/classify", {"model": "rr", "input": ["x"]}, 400, "openai", "wrong_task"),
+        ("/classify", {"model": EMBEDDER, "input": ["x"]}, 400, "openai", "missing_labels"),
+        ("/classify", {"model": "clf", "input": ["x"], "labels": ["a"]}, 400, "openai", "unexpected_labels"),
+        ("/classify", {"input": ["x"], "labels": ["a", "a"]}, 400, "openai", "duplicate_labels"),
+        ("/predict", {"model": EMBEDDER, "inputs": "x"}, 422, "tei", "wrong_task"),
+        ("/embed", {"model": "clf", "inputs": "x"}, 422, "tei", "wrong_task"),
+        ("/v1/embeddings", {"model": "clf", "input": "x"}, 400, "openai", "wrong_task"),
+        ("/v1/embeddings", {"model": "rr", "input": ["x"]}, 400, "openai", "wrong_task"),
+        ("/rerank", {"query": "q", "documents": ["d"], "texts": ["d"]}, 422, "tei", "invalid_request"),
+        ("/rerank", {"query": "q", "documents": []}, 400, "cohere", "empty_input"),
+        ("/rerank", {"query": "", "documents": ["d"]}, 400, "cohere", "empty_input"),
+        ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, 400, "cohere", "invalid_top_n"),
+        ("/rerank", {"query": "q", "documents": ["d"], "top_n": "x"}, 400, "cohere", "invalid_type"),
+        ("/rerank", {"query": "q", "texts": ["d", ""]}, 400, "tei", "empty_input"),
+        ("/rerank", {"query": "q", "texts": "d"}, 422, "tei", "invalid_type"),
     ],
 )
-async def test_wrong_task_and_bad_input_get_a_precise_400(
-    server: ServerThread, path: str, body: Any, code: str
+async def test_wrong_task_and_bad_input_get_a_precise_error_in_the_routes_dialect(
+    server: ServerThread, path: str, body: Any, status: int, dialect: str, code: str
 ) -> None:
-    status, got = await post(server.url, path, body)
-    assert status == 400, got
-    assert got["error"]["code"] == code
+    got_status, got_dialect, message, got_code = await refused(server.url, path, body)
+    assert (got_status, got_dialect, got_code) == (status, dialect, code), message
     if code == "wrong_task":
-        assert "needs" in got["error"]["message"] and "rr (rerank)" in got["error"]["message"]
+        assert "needs" in message and "rr (rerank)" in message
 
 
 async def test_unknown_model_is_404(server: ServerThread) -> None:
-    status, got = await post(server.url, "/rerank", {"model": "nope", "query": "q", "documents": ["d"]})
-    assert status == 404 and got["error"]["code"] == "model_not_found"
+    got = await refused(server.url, "/rerank", {"model": "nope", "query": "q", "documents": ["d"]})
+    assert (got[0], got[1], got[3]) == (404, "cohere", "model_not_found")
 
 
 async def test_pairs_too_long_are_truncated_or_named(server: ServerThread) -> None:
@@ -271,7 +285,7 @@ async def test_pairs_too_long_are_truncated_or_named(server: ServerThread) -> No
     status, err = await post(
         server.url, "/rerank", {"query": "q", "texts": ["short", long_doc], "truncate": False}
     )
-    assert status == 400 and err["error"]["param"] == "texts[1]" and err["error"]["code"] == "input_too_long"
+    assert status == 422 and err["error_type"] == "Validation" and err["error"].startswith("texts[1] has ")
 
 
 def test_task_override_loads_a_cross_encoder_as_a_classifier() -> None:

@@ -1,6 +1,6 @@
 """Real clients, unchanged, against the real server: the official ``openai`` client, LangChain,
-LlamaIndex, ``huggingface_hub`` (what Haystack's TEI embedders call), and our own client — including
-under a storm of 429s."""
+LlamaIndex, ``huggingface_hub`` (what Haystack's TEI embedders call; its errors and similarity too),
+and our own client — including under a storm of 429s. (Cohere's clients: test_rerank_paths.py.)"""
 
 from __future__ import annotations
 
@@ -77,6 +77,28 @@ def test_huggingface_hub_inference_client_as_haystack_uses_it(
 
     got = InferenceClient(model=server.url, timeout=30).feature_extraction(TEXTS[2])
     close_to(got, st_model.encode([TEXTS[2]]))
+
+
+def test_huggingface_hub_reads_our_tei_errors_and_similarity(
+    server: ServerThread, st_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import InferenceClient, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as above: the test server only
+    client = InferenceClient(model=server.url, timeout=30)
+    long_text = "word " * 300
+    with pytest.raises(HfHubHTTPError) as info:
+        client.feature_extraction(long_text, truncate=False)
+    assert info.value.response.status_code == 422
+    assert info.value.server_message == (  # TEI's flat body: the client shows our message as is
+        f"inputs[0] has 302 tokens; model '{EMBEDDER}' takes at most 256. Shorten it, or send "
+        '"truncate": true.'
+    )
+    close_to(client.feature_extraction(long_text, truncate=True), st_model.encode([long_text]))
+    scores = client.sentence_similarity(TEXTS[0], TEXTS[1:])
+    vecs = st_model.encode(TEXTS, normalize_embeddings=True)
+    assert scores == pytest.approx([float(vecs[0] @ v) for v in vecs[1:]], abs=1e-5)
 
 
 def test_our_client_embeds_classifies_and_reranks(server: ServerThread, st_model: Any) -> None:

@@ -165,6 +165,46 @@ async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_mo
     assert children_of(r.proc.pid) == []
 
 
+async def test_tei_token_similarity_and_decode_routes_through_the_engine(replica: Any, st_model: Any) -> None:
+    r = replica(2)
+    await wait_all_gateways(r)
+    texts = [f"token route sentence number {i}" + " more" * i for i in range(8)]
+    want_tokens = st_model.encode(texts, output_value="token_embeddings", convert_to_numpy=False)
+    want = st_model.encode(texts, normalize_embeddings=True)
+    gateways: set[str] = set()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+
+        async def post(path: str, body: Any) -> Any:
+            async with s.post(r.url + path, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                gateways.add(resp.headers["x-request-id"][:12])
+                return await resp.json()
+
+        # Token and pooled requests at once, from both gateways: they share the engine's queue but
+        # never a forward, and each caller gets its own rows.
+        answers = await asyncio.gather(
+            *(post("/embed_all", {"inputs": t}) for t in texts),
+            *(post("/embed", {"inputs": t}) for t in texts),
+        )
+        pair = {"source_sentence": texts[0], "sentences": texts[1:]}
+        similarity = await post("/similarity", {"inputs": pair})
+        ids = st_model.tokenizer(texts[3])["input_ids"]
+        decoded = await post("/decode", {"ids": ids})
+        async with s.get(r.url + "/info") as resp:
+            info = await resp.json()
+    assert len(gateways) == 2, "both gateways must have served"
+    for got, w in zip(answers[: len(texts)], want_tokens, strict=True):
+        w = w.float().numpy()
+        assert np.asarray(got[0]).shape == w.shape
+        got_unit = np.asarray(got[0]) / np.linalg.norm(got[0], axis=1, keepdims=True)
+        assert np.sum(got_unit * (w / np.linalg.norm(w, axis=1, keepdims=True)), axis=1).min() >= 0.99999
+    for got, w in zip(answers[len(texts) :], want, strict=True):
+        assert float(np.asarray(got[0]) @ w) >= 0.99999
+    assert similarity == pytest.approx([float(want[0] @ w) for w in want[1:]], abs=1e-5)
+    assert decoded == [texts[3]]
+    assert info["tokenization_workers"] == 2 and info["model_dtype"] == "float32"
+
+
 def _shape(status: int, body: dict[str, Any], headers: Any) -> tuple[Any, ...]:
     """What a client sees of a refusal, numbers in the message aside (queue sizes differ by timing)."""
     err = body["error"]

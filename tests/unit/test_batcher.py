@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from coalesce.kernels.protocol import ModelInfo, OutputKind, Task
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 from coalesce.service.batching.batcher import Batcher
 from coalesce.service.batching.cache import ResultCache
@@ -78,6 +79,36 @@ async def test_multi_input_request_keeps_order(rig: Rig) -> None:
     rows = await rig.embed(*texts)
     for text, row in zip(texts, rows, strict=True):
         np.testing.assert_allclose(row, rig.runner.expected(text), rtol=1e-6)
+
+
+async def test_token_requests_get_each_tokens_row_and_never_share_a_forward_with_pooled(rig: Rig) -> None:
+    texts = [f"text {i} " + "w " * (i % 5) for i in range(30)]
+
+    async def tokens(text: str) -> np.ndarray:
+        result = await rig.batcher.submit(rig.seqs(text, text + " x"), kind=OutputKind.TOKENS)
+        return result.rows
+
+    results = await asyncio.gather(*(rig.embed(t) for t in texts), *(tokens(t) for t in texts))
+    for text, (row,) in zip(texts, results[: len(texts)], strict=True):
+        np.testing.assert_allclose(row, rig.runner.expected(text), rtol=1e-6)
+    for text, rows in zip(texts, results[len(texts) :], strict=True):
+        want = np.concatenate([rig.runner.expected_tokens(text), rig.runner.expected_tokens(text + " x")])
+        np.testing.assert_allclose(rows, want, rtol=1e-6)
+    # Every pooled input ran in a pooled forward and every token input in a token forward.
+    assert sum(rig.runner.batches) == len(texts) and sum(rig.runner.token_batches) == 2 * len(texts)
+    assert max(rig.runner.token_batches) > 2, "concurrent token requests must share batches"
+
+
+async def test_token_request_to_a_runner_without_token_output_fails_alone() -> None:
+    runner = FakeRunner(info=ModelInfo(name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8))
+    rig = Rig(runner)
+    try:
+        with pytest.raises(InferenceFailed, match="does not return token embeddings"):
+            await rig.batcher.submit(rig.seqs("a b"), kind=OutputKind.TOKENS)
+        (row,) = await rig.embed("a b")
+        np.testing.assert_allclose(row, runner.expected("a b"), rtol=1e-6)
+    finally:
+        await rig.aclose()
 
 
 async def test_runner_failure_fails_only_its_batch_and_service_recovers() -> None:

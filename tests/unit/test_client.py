@@ -68,6 +68,18 @@ def test_other_error_shapes_still_surface_a_message(body: bytes, message: str) -
     assert err.retry_after is None  # an HTTP date: the client falls back to its own backoff
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"error": "inputs[1] is too long", "error_type": "Validation"}',
+        b'{"message": "inputs[1] is too long"}',
+    ],
+)
+def test_tei_and_cohere_errors_take_their_code_from_the_header(body: bytes) -> None:
+    err = parse_error(422, body, {"x-error-code": "input_too_long"})
+    assert (err.message, err.code) == ("inputs[1] is too long", "input_too_long")
+
+
 def test_only_429_and_503_are_retried_and_only_while_retries_remain() -> None:
     w = wire(max_retries=1)
     assert w.refused(0, 429, b'{"error": {"message": "busy"}}', {}).message == "busy"

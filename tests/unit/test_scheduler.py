@@ -213,3 +213,20 @@ def test_idle_tenants_are_forgotten_so_client_chosen_names_cannot_grow_memory() 
     assert len(s._tenants) <= IDLE_TENANTS_KEPT + 1
     s.add([Entry(4, 0.0, tenant="waiting")])
     assert s.tenant_queued_tokens() == {"waiting": 4}
+
+
+@pytest.mark.parametrize("strategy", ["adaptive", "fixed", "none"])
+def test_entries_of_different_kinds_never_share_a_batch(strategy: str) -> None:
+    s = Scheduler(adaptive(strategy=strategy, max_wait_s=0.0), CostModel(), lambda n, m: n * m)
+    kinds = ["pooled", "tokens", "pooled", "tokens", "tokens", "pooled"]
+    s.add([Entry(8, 0.001 * i, payload=i, kind=k) for i, k in enumerate(kinds)])
+    served: list[list[int]] = []
+    while s.queued_items:
+        decision, _, _ = s.next(1.0)
+        assert isinstance(decision, Dispatch)
+        assert len({e.kind for e in decision.batch}) == 1
+        served.append([e.payload for e in decision.batch])
+        s.done(decision.padded_tokens, 0.001, 1.0)
+    assert sorted(i for batch in served for i in batch) == list(range(6))
+    if strategy != "none":  # the oldest entry's kind goes first, with every waiting entry of its kind
+        assert served == [[0, 2, 5], [1, 3, 4]]

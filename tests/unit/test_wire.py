@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
-from coalesce.service.errors import InvalidRequest, Overloaded, Unavailable, to_body
+from coalesce.service.dialects import Dialect, render
+from coalesce.service.errors import InvalidRequest, Overloaded, Unavailable
 from coalesce.service.gateway.embeddings import vector
 from coalesce.service.gateway.inputs import parse_inputs
 from coalesce.service.schemas import EmbeddingRequest, decode
@@ -58,8 +60,9 @@ def test_too_many_inputs() -> None:
 
 
 def test_error_shape_and_retry_after() -> None:
-    body = to_body(InvalidRequest("nope", param="input"))
-    assert body == {
+    rendered = render(InvalidRequest("nope", param="input"), Dialect.OPENAI)
+    assert rendered.status == 400
+    assert msgspec.to_builtins(rendered.body) == {
         "error": {
             "message": "nope",
             "type": "invalid_request_error",
