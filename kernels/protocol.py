@@ -123,6 +123,11 @@ class Tokens(Protocol):
         """Special tokens added to every single text."""
         ...
 
+    @property
+    def prefix_len(self) -> int:
+        """Special tokens added in front of every single text (where its own tokens start)."""
+        ...
+
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text without special tokens and without truncation."""
         ...

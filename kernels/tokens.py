@@ -123,6 +123,10 @@ class TokenizerAdapter:
     def specials(self) -> int:
         return len(self.prefix) + len(self.suffix)
 
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix)
+
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Raw ids without special tokens, untruncated."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -24,6 +24,7 @@ class EmbeddingRequest(msgspec.Struct, frozen=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    prompt_name: str | None = None  # ours, one of the model's prompts (openai's client: extra_body)
 
 
 class EmbeddingData(msgspec.Struct, frozen=True):
@@ -310,7 +311,8 @@ class TeiInfo(msgspec.Struct, frozen=True):
     docker_label: str | None
     served_model_name: str | None
     prompts: dict[str, str] | None
-    # Our extras after TEI's fields (the model's prompts and quantisation ranges may join them).
+    # Our extras after TEI's fields.
+    default_prompt: str | None  # the prompt text applied when a request names none
     models: list[ServedTask]
 
 

@@ -50,11 +50,16 @@ class ServerThread:
         self._loop.run_until_complete(self._runner.cleanup())
         self._loop.close()
 
+    def launch(self) -> ServerThread:
+        """Listen, without waiting for the models (``/ready`` tells how they are doing)."""
+        self._thread.start()
+        self._started.wait(30)
+        return self
+
     def start(self, ready_timeout: float = 120.0) -> ServerThread:
         import urllib.request
 
-        self._thread.start()
-        self._started.wait(30)
+        self.launch()
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             try:

@@ -36,6 +36,10 @@ class FakeTokens:
     def specials(self) -> int:
         return 2
 
+    @property
+    def prefix_len(self) -> int:
+        return 1
+
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return [[1 + zlib.crc32(w.encode()) % (self.vocab_size - 1) for w in t.split()] or [1] for t in texts]
 

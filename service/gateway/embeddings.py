@@ -12,7 +12,16 @@ from coalesce.kernels.protocol import Task
 from ..schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage, decode
 from .admission import Admission, admission
 from .facade import ServedModel
-from .inputs import check_dimensions, check_ids, encode_texts, fit_sequences, parse_inputs, truncating
+from .inputs import (
+    MODEL_DEFAULT,
+    ModelDefault,
+    check_dimensions,
+    check_ids,
+    encode_texts,
+    fit_sequences,
+    parse_inputs,
+    truncating,
+)
 from .models import pick_model
 from .responses import respond
 from .state import SETTINGS
@@ -22,18 +31,26 @@ _HINT = "run the server without --no-truncate"
 
 
 async def encode_inputs(
-    request: web.Request, model: ServedModel, adm: Admission, raw: str | list[str | int | list[int]]
+    request: web.Request,
+    model: ServedModel,
+    adm: Admission,
+    raw: str | list[str | int | list[int]],
+    prompt: str | ModelDefault | None = MODEL_DEFAULT,
 ) -> list[list[int]]:
     """Complete id sequences for OpenAI's ``input`` (texts, or token arrays checked against the
-    model's vocabulary), truncated or rejected per ``--truncate``."""
+    model's vocabulary) behind ``prompt`` (a token array gets the prompt's tokens in front),
+    truncated or rejected per ``--truncate``."""
     texts, arrays = parse_inputs(raw, request.app[SETTINGS].max_inputs)
     cut = truncating(request, None)
     if texts:
-        return await encode_texts(model, adm, texts, cut=cut, field="input", hint=_HINT)
+        return await encode_texts(model, adm, texts, cut=cut, field="input", hint=_HINT, prompt=prompt)
     for i, arr in enumerate(arrays):
         check_ids(arr, model.info.vocab_size, i)
     model.check_room(adm)
-    return fit_sequences(model, arrays, cut=cut, field="input", hint=_HINT)
+    text = model.prompts.default if isinstance(prompt, ModelDefault) else prompt
+    head = model.tokens.tokenize([text])[0] if text else []
+    return fit_sequences(model, [[*head, *arr] for arr in arrays], cut=cut, field="input", hint=_HINT,
+                         prompt_len=len(head))
 
 
 def vector(row: np.ndarray, dimensions: int | None) -> np.ndarray:
@@ -58,7 +75,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
     req = decode(await request.read(), EmbeddingRequest)
     model = pick_model(request, req.model, (Task.EMBED,), "/v1/embeddings", required=True)
     check_dimensions(req.dimensions, model.info)
-    seqs = await encode_inputs(request, model, adm, req.input)
+    prompt = model.prompts.pick(model.info.name, req.prompt_name)
+    seqs = await encode_inputs(request, model, adm, req.input, prompt)
     result = await model.infer(seqs, adm)
     data = [
         EmbeddingData(index=i, embedding=encode_vector(vector(row, req.dimensions), req.encoding_format))

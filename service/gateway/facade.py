@@ -32,6 +32,7 @@ from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
 from ..settings import Settings
 from .admission import Admission
+from .prompts import Prompts
 
 if TYPE_CHECKING:
     from .models import ModelRegistry
@@ -43,11 +44,14 @@ _Pending = tuple[Sequence[str], "asyncio.Future[list[list[int]]]"]
 class ServedModel:
     """A served model as routes see it: its facts, its tokenizer, and ``infer``."""
 
-    def __init__(self, info: ModelInfo, tokens: Tokens, *, device: str, metrics: Metrics) -> None:
+    def __init__(self, info: ModelInfo, tokens: Tokens, *, device: str, metrics: Metrics,
+                 prompts: Prompts | None = None) -> None:
         self.info = info
         self.tokens = tokens
         self.device = device  # where the engine runs it ("cpu", "cuda:0", ...)
         self.specials = tokens.specials  # special tokens added to every single text
+        self.prompts = prompts or Prompts()
+        self._prompt_lengths: dict[str, int] = {}
         self._metrics = metrics
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-tok-{info.name}")
         self._pending: list[_Pending] = []
@@ -110,6 +114,13 @@ class ServedModel:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._cpu, self.adapter().decode, ids, skip_special_tokens)
 
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens of ``prompt`` alone (no special tokens), as sentence-transformers counts a prompt."""
+        known = self._prompt_lengths.get(prompt)
+        if known is None:
+            known = self._prompt_lengths[prompt] = len(self.tokens.tokenize([prompt])[0])
+        return known
+
     # -- running -------------------------------------------------------------------------------------
     def check_room(self, adm: Admission) -> None:
         """Raise (429, 503) when the model cannot take more work now, before any tokenising."""
@@ -163,8 +174,8 @@ class LocalModel(ServedModel):
     """The model's batcher in this process (``--workers 1``): no copies, no IPC."""
 
     def __init__(self, batcher: Batcher, info: ModelInfo, tokens: Tokens, *, device: str,
-                 metrics: Metrics) -> None:
-        super().__init__(info, tokens, device=device, metrics=metrics)
+                 metrics: Metrics, prompts: Prompts) -> None:
+        super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts)
         self._batcher = batcher
 
     def check_room(self, adm: Admission) -> None:
@@ -187,8 +198,8 @@ class RemoteModel(ServedModel):
     """
 
     def __init__(self, client: EngineClient, index: int, info: ModelInfo, tokens: Tokens, *,
-                 device: str, max_queued_tokens: int, metrics: Metrics) -> None:
-        super().__init__(info, tokens, device=device, metrics=metrics)
+                 device: str, max_queued_tokens: int, metrics: Metrics, prompts: Prompts) -> None:
+        super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts)
         self._client = client
         self._index = index
         self._bound = max_queued_tokens
@@ -239,6 +250,7 @@ class LocalBackend:
     def __init__(self, settings: Settings, metrics: Metrics, registry: ModelRegistry,
                  factory: RunnerFactory) -> None:
         self._engine = Engine(settings, metrics, factory)
+        self._settings = settings
         self._metrics = metrics
         self._registry = registry
 
@@ -246,7 +258,8 @@ class LocalBackend:
         await self._engine.load()
         for m in self._engine.models:
             model = LocalModel(
-                m.batcher, m.info, m.runner.tokens, device=str(m.runner.device), metrics=self._metrics
+                m.batcher, m.info, m.runner.tokens, device=str(m.runner.device), metrics=self._metrics,
+                prompts=Prompts.of(m.info, self._settings),
             )
             self._registry.add(model)
 

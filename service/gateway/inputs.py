@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from aiohttp import web
-from coalesce.kernels.protocol import ModelInfo, PairIds
+from coalesce.kernels.protocol import ModelInfo, PairIds, PromptIds
 
 from ..errors import InvalidRequest
 from .admission import Admission
@@ -97,6 +97,13 @@ def _too_long(info: ModelInfo, field: str, i: int, tokens: int, hint: str) -> In
     )
 
 
+class ModelDefault:
+    """The ``prompt`` of a route with no prompt field: whatever the model applies by default."""
+
+
+MODEL_DEFAULT = ModelDefault()
+
+
 async def encode_texts(
     model: ServedModel,
     adm: Admission,
@@ -107,14 +114,27 @@ async def encode_texts(
     left: bool = False,
     positions: Sequence[int] | None = None,
     hint: str = SEND_TRUNCATE,
+    prompt: str | ModelDefault | None = MODEL_DEFAULT,
 ) -> list[list[int]]:
-    """Complete id sequences for single texts, truncated (keeping the end when ``left``) or rejected.
+    """Complete id sequences for single texts behind ``prompt`` (the model's default prompt unless a
+    request chose one; None: none), truncated (keeping the end when ``left``) or rejected.
 
     ``positions`` are the texts' indices in the request's ``field``, for the error naming one; ``hint``
     tells the caller how to have it truncated instead."""
+    raw, prompt_len = await tokenize_texts(model, adm, texts, prompt)
+    return fit_sequences(model, raw, cut=cut, field=field, left=left, positions=positions, hint=hint,
+                         prompt_len=prompt_len)
+
+
+async def tokenize_texts(
+    model: ServedModel, adm: Admission, texts: Sequence[str], prompt: str | ModelDefault | None
+) -> tuple[list[list[int]], int]:
+    """(raw ids of each text behind ``prompt``, the prompt's length in tokens), after refusing a full
+    queue. The prompt is tokenised together with each text, as sentence-transformers does."""
+    text = model.prompts.default if isinstance(prompt, ModelDefault) else prompt
     model.check_room(adm)  # refuse a flood before tokenising it
-    raw = await model.tokenize(texts)
-    return fit_sequences(model, raw, cut=cut, field=field, left=left, positions=positions, hint=hint)
+    raw = await model.tokenize([text + t for t in texts] if text else texts)
+    return raw, model.prompt_length(text) if text else 0
 
 
 def fit_sequences(
@@ -126,19 +146,32 @@ def fit_sequences(
     left: bool = False,
     positions: Sequence[int] | None = None,
     hint: str = SEND_TRUNCATE,
+    prompt_len: int = 0,
 ) -> list[list[int]]:
     """Raw ids (tokenised texts or a client's token arrays) with special tokens added, each cut to
-    the model's length (keeping the end when ``left``) or, without truncation, rejected by name."""
+    the model's length (keeping the end when ``left``) or, without truncation, rejected by name.
+
+    The first ``prompt_len`` ids are a prompt: truncation keeps them, and a model whose pooling leaves
+    the prompt out gets sequences marked with where pooling starts."""
     room = model.info.max_tokens - model.specials
-    seqs = []
+    if prompt_len >= room:
+        raise InvalidRequest(
+            f"The prompt takes {prompt_len} tokens; model '{model.info.name}' takes at most {room} besides "
+            "its special tokens, which leaves no room for the text.",
+            param="prompt_name",
+            code="prompt_too_long",
+        )
+    seqs: list[list[int]] = []
     for i, ids in enumerate(raw):
         if len(ids) > room:
             if not cut:
                 raise _too_long(model.info, field, positions[i] if positions else i,
                                 len(ids) + model.specials, hint)
-            if left:
-                ids = ids[len(ids) - room :]
-        seqs.append(model.tokens.with_special_tokens(ids))
+            ids = [*ids[:prompt_len], *ids[len(ids) - (room - prompt_len) :]] if left else ids[:room]
+        seq = model.tokens.with_special_tokens(ids)
+        if prompt_len and not model.info.include_prompt:
+            seq = PromptIds(seq, model.tokens.prefix_len + prompt_len)
+        seqs.append(seq)
     return seqs
 
 

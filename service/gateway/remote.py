@@ -34,6 +34,7 @@ from ..settings import Settings
 from .admission import Admission
 from .facade import RemoteModel
 from .models import ModelRegistry
+from .prompts import Prompts
 from .state import Lifecycle, Phase
 
 log = get_logger("coalesce.gateway.remote")
@@ -252,6 +253,7 @@ class RemoteBackend:
     ) -> None:
         if not settings.engine_dir:
             raise SystemExit("a gateway needs --engine-dir (the supervisor of --workers sets it)")
+        self._settings = settings
         self._metrics = metrics
         self._registry = registry
         self._life = life
@@ -270,6 +272,7 @@ class RemoteBackend:
             self._registry.add(RemoteModel(
                 self._client, index, offer.info, tokens, device=offer.device,
                 max_queued_tokens=offer.max_queued_tokens, metrics=self._metrics,
+                prompts=Prompts.of(offer.info, self._settings),
             ))
 
     async def drain(self, timeout: float) -> bool:

@@ -11,6 +11,8 @@ answers errors in TEI's dialect (``dialects.py``). ``/info``, ``/tokenize`` and 
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 import numpy as np
 from aiohttp import web
@@ -28,23 +30,20 @@ from ..schemas import (
 from . import classify, rerank
 from .admission import admission
 from .embeddings import vector
-from .inputs import check_dimensions, checked_items, encode_texts, fit_sequences, truncating
+from .inputs import (
+    check_dimensions,
+    checked_items,
+    encode_texts,
+    fit_sequences,
+    tokenize_texts,
+    truncating,
+)
 from .models import pick_model
 from .responses import respond
 from .routing import add_route
 from .state import SETTINGS
 
 _ALL_TASKS = tuple(Task)
-
-
-def no_prompt(prompt_name: str | None, field: str = "prompt_name") -> None:
-    """Prompts are not applied here (yet): refuse ``prompt_name`` rather than embed without it."""
-    if prompt_name is not None:
-        raise InvalidRequest(
-            "This server applies no prompts; put the prompt in front of the text.",
-            param=field,
-            code="unsupported",
-        )
 
 
 def keeps_end(direction: str, field: str = "truncation_direction") -> bool:
@@ -64,12 +63,12 @@ async def embed(request: web.Request) -> web.Response:
     adm = admission(request)
     req = decode(await request.read(), TeiEmbedRequest)
     model = pick_model(request, req.model, (Task.EMBED,), "/embed")
-    no_prompt(req.prompt_name)
+    prompt = model.prompts.pick(model.info.name, req.prompt_name)
     left = keeps_end(req.truncation_direction)
     check_dimensions(req.dimensions, model.info)
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
     cut = truncating(request, req.truncate)
-    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left)
+    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left, prompt=prompt)
     result = await model.infer(seqs, adm)
     rows = []
     for row in result.rows:
@@ -92,7 +91,7 @@ async def embed_all(request: web.Request) -> web.Response:
     adm = admission(request)
     req = decode(await request.read(), TeiEmbedAllRequest)
     model = pick_model(request, req.model, (Task.EMBED,), "/embed_all")
-    no_prompt(req.prompt_name)
+    prompt = model.prompts.pick(model.info.name, req.prompt_name)
     left = keeps_end(req.truncation_direction)
     if not model.info.token_embeddings:
         raise InvalidRequest(
@@ -100,7 +99,7 @@ async def embed_all(request: web.Request) -> web.Response:
         )
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
     cut = truncating(request, req.truncate)
-    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left)
+    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left, prompt=prompt)
     result = await model.infer(seqs, adm, OutputKind.TOKENS)
     out = []
     at = 0
@@ -117,7 +116,7 @@ async def similarity(request: web.Request) -> web.Response:
     req = decode(await request.read(), SimilarityRequest)
     model = pick_model(request, req.model, (Task.EMBED,), "/similarity")
     params = req.parameters or SimilarityParameters()
-    no_prompt(params.prompt_name, "parameters.prompt_name")
+    prompt = model.prompts.pick(model.info.name, params.prompt_name, "parameters.prompt_name")
     left = keeps_end(params.truncation_direction, "parameters.truncation_direction")
     source = req.inputs.source_sentence
     if not source:
@@ -125,11 +124,10 @@ async def similarity(request: web.Request) -> web.Response:
             "'inputs.source_sentence' must not be empty.", param="inputs.source_sentence", code="empty_input"
         )
     sentences = checked_items(req.inputs.sentences, "inputs.sentences", request.app[SETTINGS].max_inputs)
-    model.check_room(adm)  # refuse a flood before tokenising it
-    raw = await model.tokenize([source, *sentences])
+    raw, prompt_len = await tokenize_texts(model, adm, [source, *sentences], prompt)
     cut = truncating(request, params.truncate)
-    seqs = fit_sequences(model, raw[:1], cut=cut, field="inputs.source_sentence", left=left)
-    seqs += fit_sequences(model, raw[1:], cut=cut, field="inputs.sentences", left=left)
+    fit = partial(fit_sequences, model, cut=cut, left=left, prompt_len=prompt_len)
+    seqs = fit(raw[:1], field="inputs.source_sentence") + fit(raw[1:], field="inputs.sentences")
     result = await model.infer(seqs, adm)
     rows = result.rows.astype(np.float64)
     norms = np.linalg.norm(rows, axis=1)

@@ -63,7 +63,9 @@ async def info(request: web.Request) -> web.Response:
     ``max_batch_tokens``/``max_batch_requests`` — the batch limits the scheduler applies;
     ``max_client_batch_size`` — ``--max-inputs``; ``tokenization_workers`` — the threads that tokenise
     this model's inputs, one per gateway process (``--workers``); ``served_model_name`` — the name
-    requests use. No build hash, image label or model revision is known here: those are null.
+    requests use; ``prompts`` — the model's sentence-transformers prompts (null when it has none), and our
+    ``default_prompt``, the text applied when a request names none. No build hash, image label or model
+    revision is known here: those are null.
     """
     model = pick_model(request, request.query.get("model"), _ALL_TASKS, "/info")
     settings = request.app[SETTINGS]
@@ -84,7 +86,8 @@ async def info(request: web.Request) -> web.Response:
         sha=None,
         docker_label=None,
         served_model_name=model.info.name,
-        prompts=None,
+        prompts=model.prompts.named or None,
+        default_prompt=model.prompts.default,
         models=[ServedTask(id=m.info.name, task=str(m.info.task)) for m in request.app[MODELS].models],
     )
     return json_response(body)

@@ -1,0 +1,72 @@
+"""The gateway ↔ engine protocol's arrays: token ids and their marks survive the trip exactly, and a
+frame that breaks the protocol is refused with why (never a crash, never a wrong sequence)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from coalesce.kernels.protocol import MarkedIds, ModelInfo, PairIds, PromptIds, Task, marks
+from coalesce.service.engine import messages as wire
+from coalesce.service.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
+
+INFO = ModelInfo(name="m", task=Task.EMBED, max_tokens=16, vocab_size=100, dim=4)
+
+
+def _job(n: int, marked: bool) -> wire.Job:
+    return wire.Job(7, 0, n, marked, "t", 1.0, 1, 0.0)
+
+
+def test_sequences_and_their_marks_round_trip() -> None:
+    plain = [[1, 5, 2], [1, 2]]
+    marked, frame = wire.pack_job(plain)
+    assert not marked
+    assert wire.unpack_job(_job(2, marked), frame, INFO) == plain
+
+    mixed = [PairIds([1, 5, 2, 6, 2], 3), PromptIds([1, 9, 9, 4, 2], 3), [1, 8, 2]]
+    marked, frame = wire.pack_job(mixed)
+    got = wire.unpack_job(_job(3, marked), frame, INFO)
+    assert marked and [list(s) for s in got] == [list(s) for s in mixed]
+    assert [marks(s) for s in got] == [(3, 0), (-1, 3), (-1, 0)]
+    assert all(isinstance(s, MarkedIds) for s in got)
+
+
+@pytest.mark.parametrize(
+    ("frame", "n", "why"),
+    [
+        (np.array([3, 1, 2], dtype=np.int32), 1, "lengths do not match"),
+        (np.array([2, 1, 200], dtype=np.int32), 1, "outside the model's vocabulary"),
+        (np.array([17, *range(17)], dtype=np.int32), 1, "lengths do not match"),  # longer than the model
+        (np.array([0], dtype=np.int32), 1, "lengths do not match"),
+        (np.array([], dtype=np.int32), 1, "sequences in a frame"),
+    ],
+)
+def test_a_broken_frame_is_refused_with_why(frame: np.ndarray, n: int, why: str) -> None:
+    with pytest.raises(wire.ProtocolError, match=why):
+        wire.unpack_job(_job(n, False), frame.tobytes(), INFO)
+
+
+def test_a_mark_outside_its_sequence_is_refused() -> None:
+    frame = np.array([2, -1, 5, 1, 2], dtype=np.int32)  # pool_start 5 in a 2-token sequence
+    with pytest.raises(wire.ProtocolError, match="mark is outside"):
+        wire.unpack_job(_job(1, True), frame.tobytes(), INFO)
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        Overloaded("full", retry_after=2.5, code="queue_full"),
+        Unavailable("later", retry_after=1, code="deadline_unmeetable"),
+        DeadlineExceeded("late"),
+        InvalidRequest("bad", param="input[2]", code="input_too_long"),
+    ],
+)
+def test_a_refusal_crosses_as_the_same_error(err: Exception) -> None:
+    back = wire.error_from(wire.failure(err))  # type: ignore[arg-type]
+    assert type(back) is type(err)
+    assert (back.status, back.message, back.code, back.param) == (
+        err.status,
+        err.message,
+        err.code,
+        err.param,
+    )  # type: ignore[attr-defined]
+    assert back.headers() == err.headers()  # type: ignore[attr-defined]
