@@ -158,6 +158,57 @@ class RerankResponse(msgspec.Struct, frozen=True):
     object: str = "rerank"
 
 
+class ApiVersion(msgspec.Struct, frozen=True):
+    version: str
+
+
+class EmbedV2Request(msgspec.Struct, frozen=True):
+    """Cohere v2 ``POST /v2/embed`` (what ``cohere.ClientV2.embed`` sends). Text only: ``images`` and
+    ``inputs`` are refused by name; ``priority`` is accepted and ignored (``X-Priority`` orders work)."""
+
+    model: str | None = None
+    input_type: str | None = None
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    inputs: list[msgspec.Raw] | None = None
+    max_tokens: int | None = None
+    output_dimension: int | None = None
+    embedding_types: list[str] | None = None
+    truncate: str | None = None
+    priority: int | None = None
+
+
+class EmbeddingsByType(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The types a request asked for, each a list in input order (``float`` is a Python builtin's
+    name, hence ``float_`` here)."""
+
+    float_: list[list[float]] | None = msgspec.field(default=None, name="float")
+    int8: list[list[int]] | None = None
+    uint8: list[list[int]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+    base64: list[str] | None = None
+
+
+class BilledUnits(msgspec.Struct, frozen=True):
+    input_tokens: int
+
+
+class EmbedV2Meta(msgspec.Struct, frozen=True):
+    api_version: ApiVersion
+    billed_units: BilledUnits
+
+
+class EmbedV2Response(msgspec.Struct, frozen=True):
+    """Cohere v2's ``EmbedByTypeResponse``."""
+
+    id: str
+    embeddings: EmbeddingsByType
+    texts: list[str]
+    meta: EmbedV2Meta
+    response_type: str = "embeddings_by_type"
+
+
 class RerankV2Request(msgspec.Struct, frozen=True):
     """Cohere v2 ``POST /v2/rerank`` (what ``cohere.ClientV2.rerank`` sends). ``priority`` and
     ``relevant_spans`` are accepted and ignored (``X-Priority`` orders work here)."""
@@ -172,10 +223,6 @@ class RerankV2Request(msgspec.Struct, frozen=True):
 class RerankV2Result(msgspec.Struct, frozen=True):
     index: int
     relevance_score: float
-
-
-class ApiVersion(msgspec.Struct, frozen=True):
-    version: str
 
 
 class MetaTokens(msgspec.Struct, frozen=True):
@@ -313,6 +360,8 @@ class TeiInfo(msgspec.Struct, frozen=True):
     prompts: dict[str, str] | None
     # Our extras after TEI's fields.
     default_prompt: str | None  # the prompt text applied when a request names none
+    # int8/uint8 output's per-dimension [minimums, maximums] at full width (the calibration corpus's)
+    quantization_ranges: list[list[float]] | None
     models: list[ServedTask]
 
 

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coalesce.kernels.protocol import ModelInfo, Runner
+import numpy as np
+from coalesce.kernels.protocol import ModelInfo, Runner, Task
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 
 from ..batching.batcher import Batcher
@@ -24,6 +25,7 @@ from ..batching.scheduler import Scheduler, SchedulerConfig
 from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import ModelSpec, Settings
+from .calibration import CORPUS
 
 log = get_logger("coalesce.engine")
 
@@ -37,6 +39,7 @@ class EngineModel:
     runner: Runner
     worker: ModelWorker
     batcher: Batcher
+    calibration: np.ndarray | None = None  # the built-in corpus's embeddings (int8/uint8 ranges)
 
     @property
     def info(self) -> ModelInfo:
@@ -67,7 +70,8 @@ class Engine:
             worker = ModelWorker(runner, self.device, overlap=depth > 1)
             await worker.warmup()
             cost = CostModel()
-            await _calibrate(worker, runner, cost)
+            await _seed_cost(worker, runner, cost)
+            calibration = await _embed_corpus(worker, runner) if runner.info.task is Task.EMBED else None
             t2 = time.perf_counter()
             scheduler = Scheduler(
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
@@ -76,7 +80,7 @@ class Engine:
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache
             )
             batcher.start()
-            self.models.append(EngineModel(runner, worker, batcher))
+            self.models.append(EngineModel(runner, worker, batcher, calibration))
             metrics.startup_seconds.labels(f"load:{runner.info.name}").set(t1 - t0)
             metrics.startup_seconds.labels(f"warmup:{runner.info.name}").set(t2 - t1)
             log.info(
@@ -158,10 +162,18 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
     )
 
 
-async def _calibrate(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
+async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
     """Seed the cost model with a small and a larger batch, so first decisions rest on measurements."""
     filler = [min(1000, runner.info.vocab_size - 1)]
     for n, length in ((1, 16), (8, 64)):
         seq = runner.tokens.with_special_tokens(filler * length)
         out = await worker.run([seq] * n)
         cost.observe(runner.padded_cost(n, len(seq)), out.forward_s)
+
+
+async def _embed_corpus(worker: ModelWorker, runner: Runner, batch: int = 32) -> np.ndarray:
+    """The built-in calibration corpus's embeddings (float32, corpus × width), once, at warm-up."""
+    tokens = runner.tokens
+    seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]
+    rows = [(await worker.run(seqs[i : i + batch])).rows for i in range(0, len(seqs), batch)]
+    return np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)

@@ -44,6 +44,7 @@ class ModelOffer(msgspec.Struct, frozen=True):
     tokenizer: TokenizerSpec
     device: str
     max_queued_tokens: int
+    calibration: bytes = b""  # the calibration corpus's embeddings, float32 rows of info.dim (embed)
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):

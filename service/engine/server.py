@@ -26,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 import zmq
 import zmq.asyncio
-from coalesce.kernels.protocol import OutputKind, Runner
+from coalesce.kernels.protocol import OutputKind
 from zmq.utils.monitor import recv_monitor_message
 
 from ..batching.batcher import RequestResult
@@ -35,7 +35,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import Settings
 from . import messages as wire
-from .core import Engine, RunnerFactory, default_factory
+from .core import Engine, EngineModel, RunnerFactory, default_factory
 
 log = get_logger("coalesce.engine")
 
@@ -237,7 +237,7 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
         await asyncio.sleep(0.2)  # let the gateways read why before this process goes
         code = 1
     else:
-        offers = [_offer(m.runner, settings) for m in engine.models]
+        offers = [_offer(m, settings) for m in engine.models]
         for link in links:
             link.welcome(offers)
         metrics.ready.set(1)
@@ -255,5 +255,8 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
     return code
 
 
-def _offer(runner: Runner, settings: Settings) -> wire.ModelOffer:
-    return wire.ModelOffer(runner.info, runner.tokens.spec(), str(runner.device), settings.max_queued_tokens)
+def _offer(model: EngineModel, settings: Settings) -> wire.ModelOffer:
+    runner = model.runner
+    calibration = model.calibration.tobytes() if model.calibration is not None else b""
+    return wire.ModelOffer(runner.info, runner.tokens.spec(), str(runner.device), settings.max_queued_tokens,
+                           calibration)

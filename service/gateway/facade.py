@@ -22,11 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 from aiohttp import web
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
 from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 
 from ..batching.batcher import Batcher, RequestResult
+from ..engine.calibration import ranges
 from ..engine.core import Engine, RunnerFactory
 from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics
@@ -45,12 +47,14 @@ class ServedModel:
     """A served model as routes see it: its facts, its tokenizer, and ``infer``."""
 
     def __init__(self, info: ModelInfo, tokens: Tokens, *, device: str, metrics: Metrics,
-                 prompts: Prompts | None = None) -> None:
+                 prompts: Prompts | None = None, calibration: np.ndarray | None = None) -> None:
         self.info = info
         self.tokens = tokens
         self.device = device  # where the engine runs it ("cpu", "cuda:0", ...)
         self.specials = tokens.specials  # special tokens added to every single text
         self.prompts = prompts or Prompts()
+        self.calibration = calibration  # the engine's calibration-corpus embeddings (int8/uint8 ranges)
+        self._ranges: dict[int, np.ndarray] = {}
         self._prompt_lengths: dict[str, int] = {}
         self._metrics = metrics
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-tok-{info.name}")
@@ -114,6 +118,20 @@ class ServedModel:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._cpu, self.adapter().decode, ids, skip_special_tokens)
 
+    def quantization_ranges(self, dim: int) -> np.ndarray | None:
+        """Per-dimension [min; max] (2 × ``dim``) of the calibration corpus's embeddings at width ``dim``
+        (truncated and re-normalised as responses are), for int8/uint8 output; None without a corpus."""
+        if self.calibration is None:
+            return None
+        known = self._ranges.get(dim)
+        if known is None:
+            rows = self.calibration[:, :dim]
+            if dim < self.calibration.shape[1]:
+                norms = np.linalg.norm(rows, axis=1, keepdims=True)
+                rows = rows / np.where(norms > 0, norms, 1.0)
+            known = self._ranges[dim] = ranges(rows)
+        return known
+
     def prompt_length(self, prompt: str) -> int:
         """Tokens of ``prompt`` alone (no special tokens), as sentence-transformers counts a prompt."""
         known = self._prompt_lengths.get(prompt)
@@ -174,8 +192,9 @@ class LocalModel(ServedModel):
     """The model's batcher in this process (``--workers 1``): no copies, no IPC."""
 
     def __init__(self, batcher: Batcher, info: ModelInfo, tokens: Tokens, *, device: str,
-                 metrics: Metrics, prompts: Prompts) -> None:
-        super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts)
+                 metrics: Metrics, prompts: Prompts, calibration: np.ndarray | None) -> None:
+        super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts,
+                         calibration=calibration)
         self._batcher = batcher
 
     def check_room(self, adm: Admission) -> None:
@@ -198,8 +217,10 @@ class RemoteModel(ServedModel):
     """
 
     def __init__(self, client: EngineClient, index: int, info: ModelInfo, tokens: Tokens, *,
-                 device: str, max_queued_tokens: int, metrics: Metrics, prompts: Prompts) -> None:
-        super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts)
+                 device: str, max_queued_tokens: int, metrics: Metrics, prompts: Prompts,
+                 calibration: np.ndarray | None) -> None:
+        super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts,
+                         calibration=calibration)
         self._client = client
         self._index = index
         self._bound = max_queued_tokens
@@ -259,7 +280,7 @@ class LocalBackend:
         for m in self._engine.models:
             model = LocalModel(
                 m.batcher, m.info, m.runner.tokens, device=str(m.runner.device), metrics=self._metrics,
-                prompts=Prompts.of(m.info, self._settings),
+                prompts=Prompts.of(m.info, self._settings), calibration=m.calibration,
             )
             self._registry.add(model)
 

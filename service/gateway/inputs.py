@@ -88,10 +88,11 @@ def truncating(request: web.Request, truncate: bool | None) -> bool:
     return request.app[SETTINGS].truncate if truncate is None else truncate
 
 
-def _too_long(info: ModelInfo, field: str, i: int, tokens: int, hint: str) -> InvalidRequest:
+def _too_long(info: ModelInfo, field: str, i: int, tokens: int, hint: str,
+              longest: int | None = None) -> InvalidRequest:
+    most = f"{info.max_tokens}" if longest in (None, info.max_tokens) else f"{longest} here (max_tokens)"
     return InvalidRequest(
-        f"{field}[{i}] has {tokens} tokens; model '{info.name}' takes at most "
-        f"{info.max_tokens}. Shorten it, or {hint}.",
+        f"{field}[{i}] has {tokens} tokens; model '{info.name}' takes at most {most}. Shorten it, or {hint}.",
         param=f"{field}[{i}]",
         code="input_too_long",
     )
@@ -115,15 +116,17 @@ async def encode_texts(
     positions: Sequence[int] | None = None,
     hint: str = SEND_TRUNCATE,
     prompt: str | ModelDefault | None = MODEL_DEFAULT,
+    limit: int | None = None,
 ) -> list[list[int]]:
     """Complete id sequences for single texts behind ``prompt`` (the model's default prompt unless a
     request chose one; None: none), truncated (keeping the end when ``left``) or rejected.
 
     ``positions`` are the texts' indices in the request's ``field``, for the error naming one; ``hint``
-    tells the caller how to have it truncated instead."""
+    tells the caller how to have it truncated instead; ``limit`` caps a sequence below the model's own
+    maximum (special tokens included)."""
     raw, prompt_len = await tokenize_texts(model, adm, texts, prompt)
     return fit_sequences(model, raw, cut=cut, field=field, left=left, positions=positions, hint=hint,
-                         prompt_len=prompt_len)
+                         prompt_len=prompt_len, limit=limit)
 
 
 async def tokenize_texts(
@@ -147,26 +150,29 @@ def fit_sequences(
     positions: Sequence[int] | None = None,
     hint: str = SEND_TRUNCATE,
     prompt_len: int = 0,
+    limit: int | None = None,
 ) -> list[list[int]]:
     """Raw ids (tokenised texts or a client's token arrays) with special tokens added, each cut to
-    the model's length (keeping the end when ``left``) or, without truncation, rejected by name.
+    the model's length, or ``limit`` when shorter (keeping the end when ``left``), or, without
+    truncation, rejected by name.
 
     The first ``prompt_len`` ids are a prompt: truncation keeps them, and a model whose pooling leaves
     the prompt out gets sequences marked with where pooling starts."""
-    room = model.info.max_tokens - model.specials
+    longest = model.info.max_tokens if limit is None else min(limit, model.info.max_tokens)
+    room = longest - model.specials
     if prompt_len >= room:
         raise InvalidRequest(
-            f"The prompt takes {prompt_len} tokens; model '{model.info.name}' takes at most {room} besides "
-            "its special tokens, which leaves no room for the text.",
-            param="prompt_name",
-            code="prompt_too_long",
+            f"The prompt takes {prompt_len} tokens; at most {max(room, 0)} fit besides the special tokens, "
+            "which leaves no room for the text.",
+            param="prompt_name" if prompt_len else "max_tokens",
+            code="prompt_too_long" if prompt_len else "invalid_value",
         )
     seqs: list[list[int]] = []
     for i, ids in enumerate(raw):
         if len(ids) > room:
             if not cut:
                 raise _too_long(model.info, field, positions[i] if positions else i,
-                                len(ids) + model.specials, hint)
+                                len(ids) + model.specials, hint, longest)
             ids = [*ids[:prompt_len], *ids[len(ids) - (room - prompt_len) :]] if left else ids[:room]
         seq = model.tokens.with_special_tokens(ids)
         if prompt_len and not model.info.include_prompt:

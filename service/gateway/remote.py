@@ -273,6 +273,7 @@ class RemoteBackend:
                 self._client, index, offer.info, tokens, device=offer.device,
                 max_queued_tokens=offer.max_queued_tokens, metrics=self._metrics,
                 prompts=Prompts.of(offer.info, self._settings),
+                calibration=_rows(offer.calibration, offer.info.dim),
             ))
 
     async def drain(self, timeout: float) -> bool:
@@ -283,3 +284,8 @@ class RemoteBackend:
 
     def record(self) -> None:
         return None  # the engine process keeps the runner gauges
+
+
+def _rows(raw: bytes, dim: int) -> np.ndarray | None:
+    """Float32 rows of ``dim`` from raw bytes; None for none."""
+    return np.frombuffer(raw, dtype=np.float32).reshape(-1, dim) if raw else None

@@ -202,8 +202,9 @@ async def test_tei_route_refuses_what_is_over_the_limits_with_413(server: Server
 
 
 async def test_a_request_over_the_queue_bound_is_413(server: ServerThread) -> None:
-    words = " ".join(["word"] * 20)  # 4 × 22 tokens: more than the 64 this model ever queues
-    err = tei_error(*await send(server.url, "POST", "/embed", {"inputs": [words] * 4}), 413, "Validation")
+    words = " ".join(["word"] * 20)  # 4 × 23 tokens: more than the 64 this model ever queues
+    inputs = [f"{topic} {words}" for topic in ("red", "green", "blue", "white")]  # distinct: all queue
+    err = tei_error(*await send(server.url, "POST", "/embed", {"inputs": inputs}), 413, "Validation")
     assert "split it" in err.error
 
 
@@ -226,13 +227,15 @@ async def test_a_server_that_is_not_ready_is_unhealthy(server: ServerThread) -> 
 
 
 # What holds each model's queue full: four inputs of 16 tokens (the bound is 64); one input runs (held
-# at the gate) and 48 tokens wait, so any request of more than 16 tokens is refused.
-FILL = " ".join("abcdefghijklmn")  # 16 tokens with [CLS] and [SEP]
+# at the gate) and 48 tokens wait, so any request of more than 16 tokens is refused. The four differ
+# (identical inputs in flight are computed once, and would queue once).
+FILL = [" ".join("abcdefghijklmn"[i:] + "abcdefghijklmn"[:i]) for i in range(4)]  # 16 tokens each
+DOCS = [" ".join("ghijklm"[i:] + "ghijklm"[:i]) for i in range(4)]  # 16 tokens each behind the query
 OVER = " ".join("abcdefghijklmnopqrst")  # 22 tokens
 FILLERS = {
-    EMBEDDER: ("/embed", {"inputs": [FILL] * 4}),
-    "clf": ("/predict", {"inputs": [[FILL]] * 4}),
-    "rr": ("/rerank", {"query": "a b c d e f", "texts": ["g h i j k l m"] * 4}),
+    EMBEDDER: ("/embed", {"inputs": FILL}),
+    "clf": ("/predict", {"inputs": [[f] for f in FILL]}),
+    "rr": ("/rerank", {"query": "a b c d e f", "texts": DOCS}),
 }
 OVERLOADING = {  # path → (dialect, body), every one more than 16 tokens for a full model
     "/embed": ("tei", {"inputs": OVER}),
