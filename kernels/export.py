@@ -121,6 +121,9 @@ def export_model(
     from .st_config import read_prompt_config
 
     chosen = Task(task) if task else detect_task(path)
+    if chosen is Task.SPARSE:
+        raise ExportError(f"model {model!r}: a sparse (SPLADE) model; ONNX export covers embedding, "
+                          "classification and reranking models: serve it with --backend torch")
     if chosen is Task.EMBED and not read_prompt_config(path).include_prompt:
         raise ExportError(f"model {model!r}: its pooling leaves the prompt out (include_prompt: false), "
                           "which the exported graph cannot do per input; serve it with --backend torch")

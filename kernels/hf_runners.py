@@ -54,14 +54,18 @@ def _num_labels(config: dict[str, Any]) -> int:
 def detect_task(path: str) -> Task:
     """The task the model directory at ``path`` serves, from its JSON files alone (no weights read).
 
-    A sentence-transformers ``CrossEncoder`` → rerank; any other sentence-transformers layout
-    (``modules.json``) → embed; a ``*ForSequenceClassification`` → rerank when it has one output (how
-    cross-encoders are published) or carries a cross-encoder activation, else classify; anything else
-    → embed (sentence-transformers wraps a plain encoder with mean pooling). ``--task`` overrides this.
+    A sentence-transformers ``CrossEncoder`` → rerank; a ``SparseEncoder`` (SPLADE: a masked-LM head
+    and SPLADE pooling) → sparse; any other sentence-transformers layout (``modules.json``) → embed; a
+    ``*ForSequenceClassification`` → rerank when it has one output (how cross-encoders are published)
+    or carries a cross-encoder activation, else classify; anything else → embed (sentence-transformers
+    wraps a plain encoder with mean pooling). ``--task`` overrides this.
     """
     root = Path(path)
-    if _read_json(root / "config_sentence_transformers.json").get("model_type") == "CrossEncoder":
+    kind = _read_json(root / "config_sentence_transformers.json").get("model_type")
+    if kind == "CrossEncoder":
         return Task.RERANK
+    if kind == "SparseEncoder":
+        return Task.SPARSE
     if (root / "modules.json").is_file():
         return Task.EMBED
     config = _read_json(root / "config.json")

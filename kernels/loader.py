@@ -25,7 +25,7 @@ from .buckets import GraphOptions
 from .hf_runners import SequenceClassifierRunner, detect_task
 from .onnx_runner import onnx_runner_for
 from .protocol import Runner, Task
-from .st_runner import SentenceTransformerRunner, default_model_path
+from .st_runner import SentenceTransformerRunner, SparseEncoderRunner, default_model_path
 
 log = logging.getLogger("coalesce.kernels")
 
@@ -73,6 +73,8 @@ def load_runner(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no progress bars in service logs
+    if chosen is Task.SPARSE:
+        return SparseEncoderRunner(path, name=name, device=options.device, aliases=aliases)
     if chosen is not Task.EMBED:
         return SequenceClassifierRunner(path, name=name, task=chosen, device=options.device, aliases=aliases)
     from .encoder_runner import build_encoder_runner

@@ -33,6 +33,7 @@ class Task(StrEnum):
     EMBED = "embed"
     CLASSIFY = "classify"
     RERANK = "rerank"
+    SPARSE = "sparse"  # SPLADE: one weight per vocabulary entry, most of them zero
 
 
 class OutputKind(StrEnum):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -83,10 +84,7 @@ class SentenceTransformerRunner:
         max_tokens = int(self.model.max_seq_length or self.model.tokenizer.model_max_length)
         self.tokens = TokenizerAdapter(self.model.tokenizer, max_tokens)
         self._input_names = set(self.model.tokenizer.model_input_names)
-        dim_of = (
-            getattr(self.model, "get_embedding_dimension", None)
-            or self.model.get_sentence_embedding_dimension
-        )
+        dim_of = partial(_embedding_dimension, self.model)
         normalized = any(type(m).__name__ == "Normalize" for m in self.model)
         self.info = ModelInfo(
             name=name or model_name_from_path(path),
@@ -158,6 +156,67 @@ class SentenceTransformerRunner:
             batch = [self.with_special_tokens([self.tokens.pad_id + 1000] * length)] * n
             prepared = self.prepare(batch)
             self.finish(self.forward(prepared), prepared)
+
+
+class SparseEncoderRunner:
+    """Runs a sentence-transformers ``SparseEncoder`` (SPLADE: a masked-LM head, then SPLADE pooling)
+    eagerly. A row is the model's whole vocabulary wide, mostly zeros; the gateway keeps the non-zero
+    entries (TEI's ``/embed_sparse``)."""
+
+    capture_stats = None  # no CUDA graphs here
+
+    def __init__(
+        self, path: str, *, name: str | None, device: str = "auto", aliases: Sequence[str] = ()
+    ) -> None:
+        import torch
+        from sentence_transformers import SparseEncoder
+
+        self.device = resolve_device(device)
+        self.model = SparseEncoder(path, device=self.device, local_files_only=True)
+        self.model.eval()
+        self._torch = torch
+        max_tokens = int(self.model.max_seq_length or self.model.tokenizer.model_max_length)
+        self.tokens = TokenizerAdapter(self.model.tokenizer, max_tokens)
+        self._input_names = set(self.model.tokenizer.model_input_names)
+        self.info = ModelInfo(
+            name=name or model_name_from_path(path),
+            task=Task.SPARSE,
+            max_tokens=max_tokens,
+            vocab_size=self.tokens.vocab_size,
+            dim=int(_embedding_dimension(self.model) or self.tokens.vocab_size),
+            normalized=False,
+            aliases=tuple(aliases),
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            **prompt_fields(path),
+        )
+
+    def padded_cost(self, n: int, max_len: int) -> int:
+        return n * max_len
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> Prepared:
+        features = padded_features(batch, self.tokens.pad_id, "token_type_ids" in self._input_names)
+        return Prepared(features=features, rows=len(batch))
+
+    def forward(self, prepared: Prepared) -> Any:
+        with self._torch.inference_mode():
+            features = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
+            return self.model(features)["sentence_embedding"]
+
+    def finish(self, output: Any, prepared: Prepared) -> np.ndarray:
+        rows: np.ndarray = output[: prepared.rows].float().cpu().numpy()
+        return rows
+
+    def warmup(self) -> None:
+        batch = [self.tokens.with_special_tokens([self.tokens.pad_id + 1000] * 8)]
+        prepared = self.prepare(batch)
+        self.finish(self.forward(prepared), prepared)
+
+
+def _embedding_dimension(model: Any) -> int | None:
+    """The model's output width (``get_embedding_dimension`` since sentence-transformers 6)."""
+    method = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    dim = method()
+    return int(dim) if dim is not None else None
 
 
 def model_name_from_path(path: str) -> str:

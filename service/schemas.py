@@ -280,6 +280,24 @@ class TeiEmbedAllRequest(msgspec.Struct, frozen=True):
     model: str | None = None
 
 
+class TeiEmbedSparseRequest(msgspec.Struct, frozen=True):
+    """TEI ``EmbedSparseRequest`` (``POST /embed_sparse``) → ``[[SparseValue]]``: per input, its
+    non-zero weights over the vocabulary."""
+
+    inputs: str | list[str]
+    truncate: bool | None = None
+    truncation_direction: str = "right"
+    prompt_name: str | None = None
+    model: str | None = None
+
+
+class SparseValue(msgspec.Struct, frozen=True):
+    """TEI ``SparseValue``: a vocabulary index and its weight."""
+
+    index: int
+    value: float
+
+
 class SimilarityInput(msgspec.Struct, frozen=True):
     source_sentence: str
     sentences: list[str]

@@ -37,15 +37,15 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec(name=name.strip() or None, path=None if path in ("", "default") else path)
 
 
-TASKS = ("embed", "classify", "rerank")
+TASKS = ("embed", "classify", "rerank", "sparse")
 
 
 def parse_task_spec(text: str) -> tuple[str, str]:
-    """``NAME=TASK`` for ``--task``: the served model NAME runs as TASK (embed, classify or rerank)."""
+    """``NAME=TASK`` for ``--task``: the served model NAME runs as TASK (embed, classify, rerank, sparse)."""
     name, sep, task = text.partition("=")
     name, task = name.strip(), task.strip().lower()
     if not sep or not name or task not in TASKS:
-        raise argparse.ArgumentTypeError(f"expected NAME=embed|classify|rerank, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=embed|classify|rerank|sparse, got {text!r}")
     return name, task
 
 
@@ -93,9 +93,10 @@ class Settings:
         default=None,
     )
     tasks: tuple[tuple[str, str], ...] = _knob(
-        "Task of a served model, as NAME=embed|classify|rerank; repeatable. By default it is detected "
-        "from the model directory (sentence-transformers layout: embed; *ForSequenceClassification: "
-        "classify, or rerank with one output; a CrossEncoder: rerank), which fits published models; "
+        "Task of a served model, as NAME=embed|classify|rerank|sparse; repeatable. By default it is "
+        "detected from the model directory (sentence-transformers layout: embed; a SparseEncoder: sparse; "
+        "*ForSequenceClassification: classify, or rerank with one output; a CrossEncoder: rerank), which "
+        "fits published models; "
         "override it for a model saved another way, e.g. to embed with a classifier's encoder.",
         default=(),
         flag="--task",

@@ -32,7 +32,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..schemas import ModelCard, ModelList
 from ..settings import Settings
-from . import classify, embed_v2, rerank, tei, tei_meta
+from . import classify, embed_v2, rerank, sparse, tei, tei_meta
 from .auth import KEYS, KeyRing, authenticate
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
@@ -171,6 +171,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     classify.add_routes(app)  # /classify (OpenAI's errors), /predict (TEI's)
     rerank.add_routes(app)  # /rerank (TEI's or Cohere's errors, by shape), /v1/rerank, /v2/rerank (Cohere's)
     embed_v2.add_routes(app)  # /v2/embed (Cohere's errors)
+    sparse.add_routes(app)  # /embed_sparse (TEI's errors)
     tei.add_routes(app)  # /embed, /embed_all, /similarity, / (TEI's errors)
     tei_meta.add_routes(app)  # /info, /tokenize, /decode (TEI's errors)
     return app

@@ -17,7 +17,10 @@ from ..errors import InvalidRequest, ModelNotFound
 from .facade import ServedModel
 from .state import require_ready
 
-_KIND = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classification", Task.RERANK: "a reranking"}
+_KIND = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classification", Task.RERANK: "a reranking",
+         Task.SPARSE: "a sparse-embedding"}
+# Where a model's own task is served, for a wrong-task error to point to it.
+_ROUTE = {Task.SPARSE: "POST /embed_sparse", Task.RERANK: "POST /rerank", Task.CLASSIFY: "POST /classify"}
 
 
 class ModelRegistry:
@@ -81,9 +84,11 @@ def pick_model(
         )
     served = registry.get(name)
     if served.info.task not in accepts:
+        own = _ROUTE.get(served.info.task)
         raise InvalidRequest(
             f"Model '{served.info.name}' is {_KIND[served.info.task]} model; {route} needs "
-            f"{_wanted(accepts)} model. This server serves: {registry.catalog()}.",
+            f"{_wanted(accepts)} model{f' ({own} serves this one)' if own else ''}. "
+            f"This server serves: {registry.catalog()}.",
             param="model",
             code="wrong_task",
         )

@@ -46,6 +46,8 @@ def _model_type(served: ServedModel) -> dict[str, EmbeddingModelType | Classifie
     info = served.info
     if info.task is Task.EMBED:
         return {"embedding": EmbeddingModelType(pooling="sentence-transformers")}
+    if info.task is Task.SPARSE:
+        return {"embedding": EmbeddingModelType(pooling="splade")}  # how TEI describes a SPLADE model
     labels = ClassifierModelType(
         id2label={str(i): label for i, label in enumerate(info.labels)},
         label2id={label: i for i, label in enumerate(info.labels)},

