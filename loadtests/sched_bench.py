@@ -97,6 +97,8 @@ def load_batching(folder: str | None) -> tuple[ModuleType, ModuleType, ModuleTyp
     if folder is None:
         return current_scheduler, current_policy, current_cost
     name = "_sched_bench_baseline"
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[loaded]  # a folder loaded before
     package = ModuleType(name)
     package.__path__ = [folder]  # relative imports inside resolve to the folder's modules
     sys.modules[name] = package
