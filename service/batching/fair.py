@@ -222,6 +222,9 @@ class FairQueue:
     def take(self, entries: Iterable[Entry], charge: bool) -> None:
         """Take entries out; ``charge`` bills their tokens to their flow, class and tenant (a batch)."""
         flows: dict[_Flow, list[int]] = {}  # tokens, inputs
+        total = [0, 0]
+        c: _Class | None = None
+        one_class = True
         for e in entries:
             if e.taken:
                 continue
@@ -231,14 +234,18 @@ class FairQueue:
             got = flows.get(f)
             if got is None:
                 flows[f] = [e.n_tokens, 1]
+                if c is None:
+                    c = f.cls
+                elif f.cls is not c:
+                    one_class = False
             else:
                 got[0] += e.n_tokens
                 got[1] += 1
-        if not flows:
+            total[0] += e.n_tokens
+            total[1] += 1
+        if c is None:
             return
-        c = next(iter(flows)).cls
-        if all(f.cls is c for f in flows):  # one class (the common case)
-            total = [sum(got[0] for got in flows.values()), sum(got[1] for got in flows.values())]
+        if one_class:  # the common case
             classes = {c: total}
             tenants = {c.tenant: total}
         else:

@@ -113,15 +113,6 @@ def _best_run(
     while short_end + 1 < len(order) and lengths[order[short_end + 1]] <= alen:
         short_end += 1
 
-    def cheaper_than_split(k: int, r: int, longest: int) -> bool:
-        """A run mixing inputs no longer than the anchor with longer ones costs no more than both
-        parts as batches of their own."""
-        longer = r - short_end
-        if longer <= 0 or longer >= k:
-            return True
-        whole = predict(padded_cost(k, longest))
-        return whole <= predict(padded_cost(k - longer, alen)) + predict(padded_cost(longer, longest))
-
     best: tuple[float, int, int] | None = None  # (real tokens per second, size, right end)
     tried = pos - 1
     for r in _right_ends(order, lengths, pos):
@@ -139,10 +130,14 @@ def _best_run(
         k_min = r - pos + 1
         if k_min > k_max or not in_time(k_min, longest):
             break  # runs ending further right are longer still
+        # Inputs longer than the anchor in these runs: the run must cost no more than running them and
+        # the rest (no longer than the anchor) as two batches.
+        longer = r - short_end
+        longer_alone = predict(padded_cost(longer, longest)) if longer > 0 else 0.0
         for k in _sizes_between(k_min, k_max):
-            if not cheaper_than_split(k, r, longest):
-                continue
             seconds = predict(padded_cost(k, longest))
+            if longer > 0 and seconds > longer_alone + predict(padded_cost(k - longer, alen)):
+                continue
             real = prefix[r + 1] - prefix[r + 1 - k]
             rate = real / max(seconds, 1e-12)
             if best is None or (rate, k) > best[:2]:
