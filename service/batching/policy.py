@@ -1,12 +1,18 @@
 """Batch formation: a pure function of the waiting inputs' lengths, the limits and the cost model.
 
-The oldest waiting input (the anchor) is always in the next batch, so nothing starves. Around it, the
-policy picks the inputs of most similar length: in length order, every batch is a contiguous run that
-contains the anchor, because a run of neighbours wastes the least padding. Among such runs it picks the
-one that computes the most real tokens per predicted second — ``real / predict(padded_cost(n, longest))``
-— under the batch-size and padded-token limits. That single rule covers the trade-offs: a fixed cost
-per forward favours bigger batches, padding favours similar lengths, and a cost that steps with a
-bucket grid (CUDA graph cells) favours batches that fill their cell.
+The first waiting input (the anchor: the oldest, or the one fair order serves first) is always in the
+next batch, so nothing starves. Around it, the policy picks the inputs of most similar length: in length
+order, every batch is a contiguous run that contains the anchor, because a run of neighbours wastes the
+least padding. Among such runs it picks the one that computes the most real tokens per predicted second
+— ``real / predict(padded_cost(n, longest))`` — under the batch-size and padded-token limits. That single
+rule covers the trade-offs: a fixed cost per forward favours bigger batches, padding favours similar
+lengths, and a cost that steps with a bucket grid (CUDA graph cells) favours batches that fill their cell.
+
+One guard keeps the rule from being short-sighted: a run that adds inputs longer than the anchor to
+inputs no longer than it must cost no more than the two parts would as separate batches. Otherwise a
+short query behind a bulk request's long chunks would be padded to their length (on a CPU that costs
+more than a forward of its own), only because the chunks raise that one batch's tokens per second —
+they would run as efficiently in the next batch anyway.
 """
 
 from __future__ import annotations
@@ -55,8 +61,16 @@ def form_batch(
     cap = limits.max_batch_size
     if cap <= 1 or n == 1:
         return [anchor]
-    # Length order; among equal lengths the more urgent input sits to the right, so runs ending there take it.
-    order = sorted(range(n), key=lambda i: (lengths[i], -i))
+    # Length order. Among equal lengths the more urgent input sits nearer the anchor, so a run that takes
+    # only part of them takes the urgent ones: to its left (shorter) the urgent sit right; from the anchor
+    # on (the anchor first) they sit left.
+    alen = lengths[anchor]
+
+    def key(i: int) -> tuple[int, ...]:
+        length = lengths[i]
+        return (length, -i) if length < alen else (length, i != anchor, i)
+
+    order = sorted(range(n), key=key)
     pos = order.index(anchor)
     prefix = [0]
     for i in order:
@@ -89,23 +103,48 @@ def _best_run(
     def in_time(k: int, longest: int) -> bool:
         return max_seconds is None or predict(padded_cost(k, longest)) <= max_seconds
 
+    def largest_at(r: int) -> int:
+        longest = lengths[order[r]]
+        k = min(cap, r + 1, _largest(cap, longest, in_budget))
+        return k if max_seconds is None else min(k, _largest(k, longest, in_time))
+
+    alen = lengths[order[pos]]
+    short_end = pos  # the last position no longer than the anchor
+    while short_end + 1 < len(order) and lengths[order[short_end + 1]] <= alen:
+        short_end += 1
+
     best: tuple[float, int, int] | None = None  # (real tokens per second, size, right end)
+    tried = pos - 1
     for r in _right_ends(order, lengths, pos):
+        k_max = largest_at(r)
+        last = r - pos + 1 > k_max
+        if last:
+            # The run from the anchor to this mark is too big (or too slow): the longest run from the
+            # anchor that stops short of it is the last worth trying, so a short anchor among many
+            # longer inputs can still fill a batch.
+            r = pos + k_max - 1
+            if r <= tried:
+                break
+            k_max = largest_at(r)
         longest = lengths[order[r]]
         k_min = r - pos + 1
-        k_max = min(cap, r + 1, _largest(cap, longest, in_budget))
-        if max_seconds is not None:
-            k_max = min(k_max, _largest(k_max, longest, in_time))
-            if not in_time(k_min, longest):
-                break  # runs ending further right are longer still
-        if k_min > k_max:
-            break
+        if k_min > k_max or not in_time(k_min, longest):
+            break  # runs ending further right are longer still
+        # Inputs longer than the anchor in these runs: the run must cost no more than running them and
+        # the rest (no longer than the anchor) as two batches.
+        longer = r - short_end
+        longer_alone = predict(padded_cost(longer, longest)) if longer > 0 else 0.0
         for k in _sizes_between(k_min, k_max):
             seconds = predict(padded_cost(k, longest))
+            if longer > 0 and seconds > longer_alone + predict(padded_cost(k - longer, alen)):
+                continue
             real = prefix[r + 1] - prefix[r + 1 - k]
             rate = real / max(seconds, 1e-12)
             if best is None or (rate, k) > best[:2]:
                 best = (rate, k, r)
+        tried = r
+        if last:
+            break
     return None if best is None else (best[1], best[2])
 
 

@@ -2,16 +2,29 @@
 
 It owns the waiting entries of one model and decides, when asked with the current time:
 
-* **admission** — the queue bound (model-wide and per tenant) and requests that cannot meet their
-  deadline, refused at once with a retry hint;
-* **order** — tenants share the model by weight (start-time fair queuing over tokens: the tenant that
-  has received the least service per unit of weight goes next); within a tenant, priority classes go
-  high → normal → low, and a waiting entry gains one class per ``priority_aging_s`` so none starves;
-* **the next batch** — of one kind (the most urgent entry's: pooled and per-token inputs never share
-  a forward), by strategy: ``none`` (one input at a time), ``fixed`` (wait up to a window for a batch
-  of fixed size, like the peers), ``adaptive`` (dispatch as soon as the model has room; size each
-  batch as the largest that keeps the oldest waiting entry within the latency target, and go for
-  throughput when the target is already lost); shed entries whose deadline has passed or cannot be met.
+* **admission** — the queue bound (model-wide and per named tenant, one check: :meth:`Scheduler.check_room`)
+  and requests that cannot meet their deadline, refused at once with a retry hint;
+* **order** — fair queuing over tokens at three levels (:mod:`.fair`): tenants share the model by weight;
+  within a tenant the priority classes share it by class weight; within a class each request (flow)
+  gets an equal share, and its inputs go in arrival order. Batches are filled across waiting requests,
+  so a one-text query joins the next batch even behind thousands of queued inputs of one request, which
+  fills the rest of that batch whenever one forward is cheaper than two (:mod:`.policy`);
+* **the next batch** — of one kind (the anchor's: pooled and per-token inputs never share a forward), by
+  strategy: ``none`` (one input at a time), ``fixed`` (wait up to a window for a batch of fixed size,
+  like the peers), ``adaptive`` (dispatch as soon as the model has room; size each
+  batch as the largest that keeps its anchor — the input fair order serves first — within the latency
+  target, and go for throughput when that target is already lost); shed entries whose deadline has
+  passed or cannot be met. Length grouping (:func:`.policy.form_batch`) picks the batch from the first
+  ``window_size`` inputs in fair order, always including the anchor, so nothing starves.
+
+**Priorities** (``X-Priority``) are weighted shares, not aging. While classes compete, high, normal and
+low share a tenant's tokens r²:r:1 (``priority_ratio`` r, default 4: 16:4:1), and between them the input
+that finishes first at its class's weight goes first. So a fresh ``high`` input goes ahead of ``normal``
+and ``low`` ones however long those have waited — waiting earns no rank; a lower class goes first only
+once it is owed a whole input of its own. None starves: under a sustained ``high`` stream ``normal`` keeps
+at least r/(r²+r+1) and ``low`` at least 1/(r²+r+1) of the tenant's tokens (low: 1/21 by default, 1/17
+against high alone), and a class with nothing waiting that gets an input starts level with the least
+served class, so that input is in one of the next batches even then.
 
 No asyncio, no torch, no wall clock: the batcher drives it on the event loop, and tests drive it with a
 virtual clock and a simulated runner.
@@ -22,18 +35,28 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from .cost import CostModel
+from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
 from .policy import Limits, PaddedCost, form_batch, window_size
 
+__all__ = [
+    "DEFAULT_TENANT",
+    "IDLE_TENANTS_KEPT",
+    "PRIORITIES",
+    "Dispatch",
+    "Entry",
+    "Refusal",
+    "Scheduler",
+    "SchedulerConfig",
+    "Strategy",
+    "Wait",
+]
+
 Strategy = Literal["none", "fixed", "adaptive"]
-PRIORITIES = {"high": 0, "normal": 1, "low": 2}
-DEFAULT_TENANT = "default"
-IDLE_TENANTS_KEPT = 1024  # tenants remembered before idle ones are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,24 +67,15 @@ class SchedulerConfig:
     max_wait_s: float = 0.0  # fixed: the window; adaptive: an optional hold for a fuller batch
     max_queued_tokens: int = 1 << 20
     tenant_max_queued_tokens: int = 1 << 19  # named tenants only; the default tenant has the model bound
+    # X-Priority: while classes compete, each gets this many times the tokens of the class below it
+    # (high:normal:low = r²:r:1), and a fresh high input goes before lower ones however long they waited.
+    # Larger makes priorities stricter under sustained load; low always keeps 1/(r²+r+1) of the tokens
+    # (1/21 at 4) and normal r/(r²+r+1). 1 = classes share equally (X-Priority then only breaks ties).
+    priority_ratio: float = 4.0
+    # Not read: aging let a bulk request's inputs outrank fresh higher-priority ones after this long;
+    # priority_ratio replaced it (issue 17). Kept only while service/gateway/models.py still passes it.
     priority_aging_s: float = 1.0
     pipeline_depth: int = 1
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    """One input waiting for a batch. ``payload`` is the batcher's (its future); never read here."""
-
-    n_tokens: int
-    arrival: float
-    tenant: str = DEFAULT_TENANT
-    weight: float = 1.0
-    priority: int = 1
-    deadline: float | None = None
-    payload: Any = None
-    flow: Any = None  # the request it belongs to
-    kind: object = None  # what the runner returns for it: entries of different kinds never share a batch
-    taken: bool = field(default=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,17 +99,6 @@ class Wait:
     until: float  # ask again then (or sooner, when something changes)
 
 
-@dataclass(slots=True)
-class _Tenant:
-    weight: float = 1.0
-    vtime: float = 0.0  # service received / weight, in tokens
-    queued_tokens: int = 0
-    items: int = 0  # waiting entries (taken ones may still sit in the deques until compacted)
-    classes: tuple[deque[Entry], deque[Entry], deque[Entry]] = field(
-        default_factory=lambda: (deque(), deque(), deque())
-    )
-
-
 class Scheduler:
     """Admission, fair ordering and batch formation for one model."""
 
@@ -103,33 +106,45 @@ class Scheduler:
         self.config = config
         self.cost = cost
         self.padded_cost = padded_cost
-        self.queued_tokens = 0
-        self.queued_items = 0
         self.inflight = 0
         self.busy_until = 0.0  # predicted end of the work already handed to the model
-        self._tenants: dict[str, _Tenant] = {}
+        r = config.priority_ratio
+        self._queue = FairQueue((r * r, r, 1.0))
         self._deadlines: list[tuple[float, int, Entry]] = []  # heap of entries that have one
         self._seq = itertools.count()
 
+    @property
+    def queued_tokens(self) -> int:
+        return self._queue.tokens
+
+    @property
+    def queued_items(self) -> int:
+        return self._queue.items
+
     # -- admission -----------------------------------------------------------------------------------
     def check_room(self, tenant: str, tokens: int, now: float) -> Refusal | None:
-        """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not."""
+        """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not.
+
+        The model-wide bound applies to everyone; the tenant bound to named tenants (the default tenant
+        has only the model's). ``check_room(tenant, 1, now)`` before tokenising refuses a flood early.
+        """
         cfg = self.config
-        if self.queued_tokens + tokens > cfg.max_queued_tokens:
+        queued = self._queue.tokens
+        if queued + tokens > cfg.max_queued_tokens:
             return Refusal(
                 "queue_full",
-                f"{self.queued_tokens} tokens are waiting (bound {cfg.max_queued_tokens}); retry later.",
+                f"{queued} tokens are waiting (bound {cfg.max_queued_tokens}); retry later.",
                 self.drain_s(now),
             )
-        t = self._tenants.get(tenant)
-        held = t.queued_tokens if t is not None else 0
-        if tenant != DEFAULT_TENANT and held + tokens > cfg.tenant_max_queued_tokens:
-            return Refusal(
-                "tenant_queue_full",
-                f"Tenant '{tenant}' has {held} tokens waiting (bound "
-                f"{cfg.tenant_max_queued_tokens}); retry later.",
-                self.drain_s(now),
-            )
+        if tenant != DEFAULT_TENANT:
+            held = self._queue.tenant_tokens(tenant)
+            if held + tokens > cfg.tenant_max_queued_tokens:
+                return Refusal(
+                    "tenant_queue_full",
+                    f"Tenant '{tenant}' has {held} tokens waiting (bound "
+                    f"{cfg.tenant_max_queued_tokens}); retry later.",
+                    self.drain_s(now),
+                )
         return None
 
     def admit(self, tokens: Iterable[int], tenant: str, deadline: float | None, now: float) -> Refusal | None:
@@ -169,25 +184,12 @@ class Scheduler:
         )
 
     def add(self, entries: Iterable[Entry]) -> None:
+        """Queue admitted entries (one request's inputs, in order; they share its ``flow``)."""
+        entries = list(entries)
+        self._queue.add(entries)
         for e in entries:
-            t = self._tenants.get(e.tenant)
-            if t is None or t.items == 0:
-                # A tenant (re)joining starts level with the least-served active tenant: idle time earns
-                # no credit to burst with later.
-                floor = min((x.vtime for x in self._tenants.values() if x.queued_tokens), default=0.0)
-                if t is None:
-                    if len(self._tenants) >= IDLE_TENANTS_KEPT:
-                        self._forget_idle_tenants()
-                    t = self._tenants[e.tenant] = _Tenant()
-                t.vtime = max(t.vtime, floor)
-            t.weight = e.weight
-            t.classes[min(max(e.priority, 0), 2)].append(e)
-            t.items += 1
-            t.queued_tokens += e.n_tokens
             if e.deadline is not None:
                 heapq.heappush(self._deadlines, (e.deadline, next(self._seq), e))
-            self.queued_tokens += e.n_tokens
-            self.queued_items += 1
 
     # -- dispatch ------------------------------------------------------------------------------------
     def next(self, now: float) -> tuple[Dispatch | Wait | None, list[Entry], list[Entry]]:
@@ -197,27 +199,26 @@ class Scheduler:
         ask again, or None (nothing to do until an entry arrives or a batch finishes).
         """
         expired, shed = self._drop_hopeless(now)
-        if self.queued_items == 0 or self.inflight >= self.config.pipeline_depth:
+        if self._queue.items == 0 or self.inflight >= self.config.pipeline_depth:
             return None, expired, shed
-        window = self._fair_window(now)
-        if not window:
-            return None, expired, shed
-        # The batch is of the most urgent entry's kind; the others wait for a batch of their own.
+        cfg = self.config
+        window = self._queue.window(window_size(cfg.limits))
+        # The batch is of the anchor's kind; the others wait for a batch of their own.
         kind = window[0].kind
         window = [e for e in window if e.kind == kind]
-        cfg = self.config
         start = max(now, self.busy_until)
         if cfg.strategy == "none":
             picked = [0]
         elif cfg.strategy == "fixed":
             picked = self._fifo_prefix(window)
             full = len(picked) >= cfg.limits.max_batch_size or len(picked) < len(window)
-            ripe = now >= min(e.arrival for e in window) + cfg.max_wait_s
-            if not (full or ripe):
-                return Wait(min(e.arrival for e in window) + cfg.max_wait_s), expired, shed
-        else:
             oldest = min(e.arrival for e in window)
-            budget = cfg.target_latency_s - (start - oldest)
+            if not (full or now >= oldest + cfg.max_wait_s):
+                return Wait(oldest + cfg.max_wait_s), expired, shed
+        else:
+            # The batch is sized for its anchor, the input fair order serves first: inputs of a bulk
+            # request that lost the target long ago must not make a fresh query's batch a long one.
+            budget = cfg.target_latency_s - (start - window[0].arrival)
             picked = form_batch(
                 [e.n_tokens for e in window],
                 0,
@@ -232,7 +233,7 @@ class Scheduler:
         batch = [window[i] for i in picked]
         padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
         predicted = self.cost.predict(padded)
-        self._take(batch)
+        self._queue.take(batch, charge=True)
         self.inflight += 1
         self.busy_until = start + predicted
         return Dispatch(batch, padded, predicted), expired, shed
@@ -253,35 +254,21 @@ class Scheduler:
 
     def remove(self, should_drop: Callable[[Entry], bool]) -> list[Entry]:
         """Take out waiting entries the caller no longer wants (their caller left)."""
-        dropped = [e for e in self._waiting() if should_drop(e)]
-        self._take(dropped, charge=False)
+        dropped = [e for e in self._queue.waiting() if should_drop(e)]
+        self._queue.take(dropped, charge=False)
         return dropped
 
     def drain_all(self) -> list[Entry]:
         """Take out everything still waiting (shutdown)."""
-        left = list(self._waiting())
-        self._take(left, charge=False)
+        left = list(self._queue.waiting())
+        self._queue.take(left, charge=False)
         return left
 
     def tenant_queued_tokens(self) -> dict[str, int]:
         """Tokens waiting per tenant that has any."""
-        return {name: t.queued_tokens for name, t in self._tenants.items() if t.queued_tokens}
-
-    def _forget_idle_tenants(self) -> None:
-        # Tenant names come from clients (X-Tenant): keep memory bounded. An idle tenant that returns
-        # starts level with the active ones, which is what it would get anyway unless it had been
-        # served ahead of them just before going idle.
-        for name in [name for name, t in self._tenants.items() if t.items == 0]:
-            del self._tenants[name]
+        return self._queue.tenant_queued_tokens()
 
     # -- internals -----------------------------------------------------------------------------------
-    def _waiting(self) -> Iterable[Entry]:
-        for t in self._tenants.values():
-            for q in t.classes:
-                for e in q:
-                    if not e.taken:
-                        yield e
-
     def _drop_hopeless(self, now: float) -> tuple[list[Entry], list[Entry]]:
         """Entries whose deadline passed (expired) or that could not finish by it even alone (shed)."""
         expired: list[Entry] = []
@@ -299,48 +286,8 @@ class Scheduler:
             else:
                 break
         if expired or shed:
-            self._take(expired + shed, charge=False)
+            self._queue.take(expired + shed, charge=False)
         return expired, shed
-
-    def _head(self, t: _Tenant, now: float, skip: dict[int, int]) -> tuple[int, Entry] | None:
-        """The tenant's next entry by aged priority, ignoring the first ``skip[cls]`` of each class."""
-        best: tuple[float, int, Entry] | None = None
-        for cls, q in enumerate(t.classes):
-            i = skip.get(cls, 0)
-            while i < len(q) and q[i].taken:
-                i += 1
-            skip[cls] = i
-            if i < len(q):
-                e = q[i]
-                key = cls - (now - e.arrival) / max(self.config.priority_aging_s, 1e-9)
-                if best is None or (key, e.arrival) < (best[0], best[2].arrival):
-                    best = (key, cls, e)
-        return None if best is None else (best[1], best[2])
-
-    def _fair_window(self, now: float) -> list[Entry]:
-        """Waiting entries in the order fair sharing would serve them, up to the policy's window."""
-        want = window_size(self.config.limits)
-        active = [(name, t) for name, t in self._tenants.items() if t.queued_tokens > 0]
-        if len(active) == 1:
-            queues = [q for q in active[0][1].classes if q]
-            if len(queues) == 1:  # the common case: one tenant, one priority class, arrival order
-                return list(itertools.islice((e for e in queues[0] if not e.taken), want))
-        vtime = {name: t.vtime for name, t in active}
-        cursors: dict[str, dict[int, int]] = {name: {} for name, _ in active}
-        heads = {name: self._head(t, now, cursors[name]) for name, t in active}
-        window: list[Entry] = []
-        while len(window) < want:
-            live = [(vtime[n], h[1].arrival, n) for n, h in heads.items() if h is not None]
-            if not live:
-                break
-            _, _, name = min(live)
-            cls, entry = heads[name]  # type: ignore[misc]
-            window.append(entry)
-            t = self._tenants[name]
-            vtime[name] += entry.n_tokens / t.weight
-            cursors[name][cls] += 1
-            heads[name] = self._head(t, now, cursors[name])
-        return window
 
     def _fifo_prefix(self, window: list[Entry]) -> list[int]:
         limits = self.config.limits
@@ -369,33 +316,6 @@ class Scheduler:
         if hold <= now:
             return None
         longest = max(window[i].n_tokens for i in picked)
-        # Holding must still leave the oldest within target with the batch it then runs.
+        # Holding must still leave the anchor within target with the batch it then runs.
         after = (hold - now) + self.cost.predict(self.padded_cost(cfg.limits.max_batch_size, longest))
         return hold if after <= budget else None
-
-    def _take(self, entries: Iterable[Entry], charge: bool = True) -> None:
-        touched: set[str] = set()
-        for e in entries:
-            if e.taken:
-                continue
-            e.taken = True
-            t = self._tenants[e.tenant]
-            t.items -= 1
-            t.queued_tokens -= e.n_tokens
-            if charge:
-                t.vtime += e.n_tokens / t.weight
-            self.queued_tokens -= e.n_tokens
-            self.queued_items -= 1
-            touched.add(e.tenant)
-        for name in touched:
-            t = self._tenants[name]
-            for q in t.classes:
-                while q and q[0].taken:
-                    q.popleft()
-            # Entries taken from the middle of a queue stay until they reach its head; rebuild the
-            # queues when those make up most of them, so memory stays proportional to what waits.
-            if sum(len(q) for q in t.classes) > 2 * t.items + 64:
-                for q in t.classes:
-                    keep = [e for e in q if not e.taken]
-                    q.clear()
-                    q.extend(keep)

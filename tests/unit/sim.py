@@ -1,11 +1,15 @@
 """A discrete-event simulation of one model: Poisson arrivals, the scheduler, and a simulated runner
-whose batch time is ``a + b × padded tokens`` with noise. Virtual clock: runs in milliseconds of CPU."""
+whose batch time is ``a + b × padded tokens`` with noise. Virtual clock: runs in milliseconds of CPU.
+
+An arrival is one request: ``inputs`` inputs of ``tokens`` tokens each, sharing its ``flow`` (None: the
+tenant's shared flow, as for a caller that sets none; the batcher sets one per request)."""
 
 from __future__ import annotations
 
 import heapq
 import random
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from coalesce.service.batching.cost import CostModel
@@ -20,6 +24,18 @@ class Arrival:
     weight: float = 1.0
     priority: int = 1
     timeout: float | None = None
+    flow: Hashable = None
+    inputs: int = 1
+
+
+@dataclass(frozen=True)
+class Batch:
+    start: float
+    end: float
+    entries: list[Entry]
+
+    def flows(self) -> set[Hashable]:
+        return {e.flow for e in self.entries}
 
 
 @dataclass
@@ -28,6 +44,8 @@ class Result:
     by_tenant: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     by_priority: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     served_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    finished: dict[Hashable, float] = field(default_factory=dict)  # flow -> when its last input completed
+    batches: list[Batch] = field(default_factory=list)
     completed: int = 0
     refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     expired: int = 0
@@ -98,18 +116,19 @@ def simulate(
         if kind == "arrive":
             arr: Arrival = data  # type: ignore[assignment]
             deadline = None if arr.timeout is None else now + arr.timeout
-            refusal = sched.admit([arr.tokens], arr.tenant, deadline, now)
+            refusal = sched.admit([arr.tokens] * arr.inputs, arr.tenant, deadline, now)
             if refusal is not None:
                 res.refused[refusal.reason] += 1
             else:
-                sched.add(
-                    [Entry(arr.tokens, now, arr.tenant, arr.weight, arr.priority, deadline, payload=arr)]
-                )
+                entry = (arr.tokens, now, arr.tenant, arr.weight, arr.priority, deadline, arr)
+                sched.add([Entry(*entry, flow=arr.flow) for _ in range(arr.inputs)])
             res.max_queued_tokens = max(res.max_queued_tokens, sched.queued_tokens)
         elif kind == "done":
             batch, padded, seconds = data  # type: ignore[misc]
             sched.done(padded, seconds, now)
+            res.batches.append(Batch(now - seconds, now, batch))
             for e in batch:
+                res.finished[e.flow] = now
                 if now >= measure_from:  # throughput: what completes inside the measured window
                     res.completed += 1
                     res.served_tokens[e.tenant] += e.n_tokens

@@ -122,3 +122,26 @@ def test_repeated_formation_drains_everything_in_bounded_steps() -> None:
 def test_padding_ratio() -> None:
     assert padding_ratio([10, 5], 20) == 0.25
     assert padding_ratio([], 0) == 0.0
+
+
+def test_a_short_anchor_among_many_long_inputs_fills_the_batch_when_one_forward_is_cheaper() -> None:
+    # A query (the anchor: fair order serves it first) behind a bulk request's chunks, launch-bound: the
+    # chunks ride along, the most urgent of them (lowest indices) first.
+    lengths = [12] + [200] * 255
+    assert form_batch(lengths, 0, Limits(64, 16384), eager, GPU) == list(range(64))
+
+
+def test_a_short_anchor_is_not_padded_to_long_inputs_when_its_own_batch_is_cheaper() -> None:
+    # On a CPU padding two 12-token queries to 200 costs more than a forward of their own (8 ms), even
+    # though mixing them in would raise that one batch's tokens per second.
+    lengths = [12, 12] + [200] * 254
+    assert form_batch(lengths, 0, Limits(64, 16384), eager, CPU) == [0, 1]
+
+
+def test_among_equal_lengths_the_more_urgent_are_taken_on_either_side_of_the_anchor() -> None:
+    # Launch-bound, batches of 8 around an anchor of length 50 (index 20): of its longer neighbours, and
+    # of its shorter ones when only those wait, the ones listed first (most urgent) go.
+    longer = [10] * 20 + [50] + [60] * 20
+    assert form_batch(longer, 20, Limits(8, 16384), eager, GPU) == list(range(20, 28))
+    shorter = [10] * 20 + [50]
+    assert form_batch(shorter, 20, Limits(8, 16384), eager, GPU) == [*range(7), 20]

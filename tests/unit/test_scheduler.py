@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.policy import Limits
 from coalesce.service.batching.scheduler import Dispatch, Entry, Scheduler, SchedulerConfig, Wait
 
-from .sim import Arrival, poisson, simulate
+from .sim import Arrival, Batch, Result, poisson, simulate
 
 A, B = 0.010, 0.0002  # 10 ms a batch + 0.2 ms a padded token: MiniLM-like on 2 CPU cores
 TOKENS = 16
@@ -210,7 +212,7 @@ def test_idle_tenants_are_forgotten_so_client_chosen_names_cannot_grow_memory() 
         decision, _, _ = s.next(0.0)
         assert isinstance(decision, Dispatch)
         s.done(4, 0.001, 0.0)
-    assert len(s._tenants) <= IDLE_TENANTS_KEPT + 1
+    assert len(s._queue.tenants) <= IDLE_TENANTS_KEPT + 1
     s.add([Entry(4, 0.0, tenant="waiting")])
     assert s.tenant_queued_tokens() == {"waiting": 4}
 
@@ -230,3 +232,140 @@ def test_entries_of_different_kinds_never_share_a_batch(strategy: str) -> None:
     assert sorted(i for batch in served for i in batch) == list(range(6))
     if strategy != "none":  # the oldest entry's kind goes first, with every waiting entry of its kind
         assert served == [[0, 2, 5], [1, 3, 4]]
+
+
+# -- requests as flows, priorities under load ---------------------------------------------------------
+GPU_A, GPU_B = 0.002, 1e-6  # launch-bound: 2 ms a batch + 1 µs a padded token
+CHUNK = 200  # tokens of one chunk of a bulk ingestion request
+_ids = itertools.count()
+
+
+def own_flows(arrivals: list[Arrival]) -> list[Arrival]:
+    """Each arrival its own request (flow), as the batcher keys them."""
+    return [replace(a, flow=next(_ids)) for a in arrivals]
+
+
+def first_batch_after(res: Result, t: float) -> Batch:
+    return next(b for b in res.batches if b.start >= t)
+
+
+def test_a_query_behind_a_bulk_request_is_in_the_next_batch_on_a_cpu() -> None:
+    # 2,048 chunks of one request (~80 s of work here), then a one-sentence query 1 s and 2 s later.
+    bulk = Arrival(0.0, CHUNK, flow="bulk", inputs=2048)
+    queries = [Arrival(1.0, 12, flow="q1"), Arrival(2.0, 12, flow="q2")]
+    res = simulate(adaptive(), [bulk, *queries], A, B, noise=0.0)
+    longest_batch = max(b.end - b.start for b in res.batches)
+    for q in queries:
+        assert q.flow in first_batch_after(res, q.time).flows()
+        # It waits for the batch already running, then its own; on a CPU padding a query to the
+        # chunks' length costs more than a forward of its own, so it runs without them.
+        assert res.finished[q.flow] - q.time <= longest_batch + 0.05
+    alone = simulate(adaptive(), [bulk], A, B, noise=0.0)
+    assert res.finished["bulk"] <= alone.finished["bulk"] + 0.05  # the bulk request barely notices
+    # Without flows (one shared flow, first come first served) the same queries wait for the whole bulk.
+    shared = simulate(adaptive(), [replace(a, flow=None) for a in (bulk, *queries)], A, B, noise=0.0)
+    assert shared.pct(1.0) > 60.0
+
+
+def test_a_query_behind_a_bulk_request_shares_the_next_batch_on_a_launch_bound_device() -> None:
+    bulk = Arrival(0.0, CHUNK, flow="bulk", inputs=2048)
+    query = Arrival(0.1, 12, flow="q")
+    res = simulate(adaptive(), [bulk, query], GPU_A, GPU_B, noise=0.0)
+    batch = first_batch_after(res, query.time)
+    assert "q" in batch.flows()
+    # The bulk request fills the rest of the batch: one forward is cheaper than two here.
+    assert len(batch.entries) == LIMITS.max_batch_size and "bulk" in batch.flows()
+
+
+@pytest.mark.parametrize("lengths", [(CHUNK, CHUNK), (100, 300)])
+def test_two_bulk_requests_share_the_model_evenly_by_tokens(lengths: tuple[int, int]) -> None:
+    first = Arrival(0.0, lengths[0], flow="first", inputs=2048)
+    second = Arrival(5.0, lengths[1], flow="second", inputs=2048)
+    res = simulate(adaptive(), [first, second], A, B)
+    both = [b for b in res.batches if b.start >= second.time and b.end <= min(res.finished.values())]
+    assert len(both) > 30
+    tokens = {"first": 0, "second": 0}
+    for b in both:
+        for e in b.entries:
+            tokens[e.flow] += e.n_tokens
+    assert tokens["first"] / sum(tokens.values()) == pytest.approx(0.5, abs=0.02)
+
+
+def test_a_fresh_high_query_beats_normal_inputs_that_waited_long() -> None:
+    # Normal one-input requests at 1.5× capacity for 12 s: the queue fills and they wait seconds. A high
+    # query at t=10 is in the next batch; a normal one arriving with it waits its turn behind the backlog.
+    rng = random.Random(11)
+    normal = own_flows(poisson(1.5 * CAPACITY, 12.0, rng, tokens=TOKENS))
+    high = Arrival(10.0, TOKENS, priority=0, flow="high")
+    late = Arrival(10.0, TOKENS, priority=1, flow="late")
+    res = simulate(
+        adaptive(max_queued_tokens=20_000), sorted([*normal, high, late], key=lambda a: a.time), A, B
+    )
+    batch = first_batch_after(res, 10.0)
+    assert "high" in batch.flows()
+    assert min(e.arrival for e in batch.entries if e.flow != "high") < 8.0, "the normal ones waited > 2 s"
+    assert res.finished["high"] - 10.0 <= TARGET
+    assert res.finished["late"] - 10.0 > 5 * TARGET
+
+
+def test_low_priority_completes_under_a_sustained_high_stream() -> None:
+    # High one-input requests at 2× capacity for 30 s; a low request of 100 inputs at t=1 and a low query
+    # at t=15. Low keeps 1/(r²+1) = 1/17 of the tokens against high alone: the 100 inputs take ~5.7 s.
+    rng = random.Random(12)
+    high = own_flows(poisson(2.0 * CAPACITY, 30.0, rng, tokens=TOKENS, priority=0))
+    low_bulk = Arrival(1.0, TOKENS, priority=2, flow="low-bulk", inputs=100)
+    low_query = Arrival(15.0, TOKENS, priority=2, flow="low-query")
+    res = simulate(
+        adaptive(max_queued_tokens=20_000),
+        sorted([*high, low_bulk, low_query], key=lambda a: a.time),
+        A,
+        B,
+        horizon=31.0,
+    )
+    assert res.refused["queue_full"] > 0, "high overloads the model"
+    share = 1 / (1 + 4.0**2)
+    bound = 100 * TOKENS / (share * CAPACITY * TOKENS)
+    assert res.finished["low-bulk"] - low_bulk.time <= 1.2 * bound
+    assert "low-query" in first_batch_after(res, low_query.time).flows()
+
+
+def test_a_stream_of_new_requests_cannot_starve_one_already_waiting() -> None:
+    # One-input requests at 1.5× capacity keep arriving, each a new flow that joins ahead of a request of
+    # 40 inputs whose next input has a later tag. That request is one flow among the ~1,250 in the full
+    # queue and gets about that share: an input every time the queue turns over (~4 s), while the stream
+    # lasts — not nothing until the stream ends.
+    rng = random.Random(13)
+    singles = own_flows(poisson(1.5 * CAPACITY, 30.0, rng, tokens=TOKENS))
+    bulk = Arrival(1.0, TOKENS, flow="bulk", inputs=40)
+    res = simulate(
+        adaptive(max_queued_tokens=20_000), sorted([*singles, bulk], key=lambda a: a.time), A, B, horizon=40.0
+    )
+    served = [b.end for b in res.batches for e in b.entries if e.flow == "bulk"]
+    assert len(served) == 40
+    queue_turnover = 20_000 / (CAPACITY * TOKENS)  # ~4.2 s: what every request waits in the full queue
+    during = [t for t in served if t < 30.0]
+    gaps = [later - earlier for earlier, later in itertools.pairwise([bulk.time, *during])]
+    assert max(gaps) <= 1.5 * queue_turnover
+    assert len(during) >= 29.0 / (1.5 * queue_turnover)
+
+
+def test_check_room_is_the_one_queue_bound_check() -> None:
+    s = Scheduler(
+        adaptive(max_queued_tokens=100, tenant_max_queued_tokens=50), CostModel(), lambda n, m: n * m
+    )
+    assert s.check_room("default", 100, 0.0) is None
+    assert s.check_room("acme", 50, 0.0) is None
+    refusal = s.check_room("acme", 51, 0.0)
+    assert refusal is not None and refusal.reason == "tenant_queue_full"
+    s.add([Entry(40, 0.0, tenant="acme"), Entry(40, 0.0)])
+    refusal = s.check_room("acme", 11, 0.0)
+    assert refusal is not None and refusal.reason == "tenant_queue_full"
+    assert "Tenant 'acme' has 40 tokens waiting (bound 50)" in refusal.message
+    assert s.check_room("default", 20, 0.0) is None  # the default tenant has only the model's bound
+    refusal = s.check_room("default", 21, 0.0)
+    assert refusal is not None and refusal.reason == "queue_full" and refusal.retry_after > 0
+    assert refusal.message == "80 tokens are waiting (bound 100); retry later."
+    assert s.admit([21], "default", None, 0.0) == refusal  # admit refuses with the same check
+    s.add([Entry(20, 0.0)])
+    refusal = s.check_room("other", 1, 0.0)  # before tokenising: nothing more fits at all
+    assert refusal is not None and refusal.reason == "queue_full"

@@ -1,0 +1,408 @@
+"""The fair order of waiting inputs: which of them deserves the model next. Pure: no time, no I/O.
+
+Fair queuing over tokens at three levels, one inside the other:
+
+1. **tenants** share the model by their weight;
+2. within a tenant, **priority classes** share the tenant's turns by class weight (the scheduler passes
+   high:normal:low = r²:r:1);
+3. within a class, **flows** share equally — the batcher makes each request a flow, so a one-text query
+   waits beside the 2,048 inputs of a bulk request, not behind them;
+
+and within a flow, inputs keep their arrival order.
+
+At every level each child (tenant, class or flow) carries ``vtime``, the tokens it has been served divided
+by its weight: the start tag of its next input, whose finish tag is ``vtime + tokens / weight``. Tenants
+and flows go by start tag (start-time fair queuing: the least served first, so a long input is not pushed
+back by a crowd of short ones that came after it); classes go by finish tag (weighted fair queuing: a
+short ``high`` input overtakes a ``normal`` one that started a little earlier, unless normal is owed a
+whole input). Remaining ties go to the other tag, then to the child that joined first (or the higher
+class). Inputs are charged at all three levels when they are taken into a batch; inputs removed unserved
+(cancelled, expired, shed) charge nothing.
+
+**Joining.** A child with nothing waiting that gets an input of ``n`` tokens starts at
+``max(floor, clock - n / weight)``, or at ``clock`` when none of its siblings has work:
+
+* ``floor`` is the smallest start tag among its active siblings. The newcomer starts no earlier than the
+  least served of them — idle time earns no credit to burst with later — and, by the tie rules, is not
+  behind it either: a query that arrives next to a bulk request goes first.
+* ``clock`` is the level's fluid virtual time: every batch advances it by the tokens served through the
+  level over the active siblings' total weight (what each would have received had the model been shared
+  exactly). Newcomers join at most one input behind it, and it keeps moving while they keep coming, so a
+  stream of new requests cannot hold back an input already waiting: that input's start tag is fixed,
+  and once the clock has passed it, newcomers queue behind it. Under overload by many requests, each
+  one gets about its share: a request among N waiting ones gets about 1/N of the tokens served.
+
+Nothing of a child that emptied is used when it comes back: its ``vtime`` is set afresh (an empty flow is
+dropped at once; the batcher's flows are requests, which never come back). Having been served ahead of
+its siblings before leaving is thus forgiven — at most about a window of inputs, since the order
+interleaves active siblings.
+
+``flow=None`` is one shared flow per tenant and class: callers that set no flow get first-come,
+first-served order within a class, as before flows existed, and their inputs together share the class
+with the explicit flows as one flow.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+DEFAULT_TENANT = "default"
+IDLE_TENANTS_KEPT = 1024  # tenants kept before idle ones are dropped
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One input waiting for a batch. ``payload`` is the batcher's (its future); never read here.
+
+    ``flow`` groups the inputs that share a class fairly as one (the batcher uses one key per request);
+    None is the tenant's shared flow for that class.
+    """
+
+    n_tokens: int
+    arrival: float
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
+    priority: int = 1
+    deadline: float | None = None
+    payload: Any = None
+    flow: Hashable = None
+    kind: object = None  # what the runner returns for it: entries of different kinds never share a batch
+    taken: bool = field(default=False, repr=False)
+    _flow: _Flow | None = field(default=None, init=False, repr=False)  # set by FairQueue.add
+
+
+_Key = tuple[float, float, int, "_Flow"]  # (start tag, finish tag, join order, flow)
+_Part = TypeVar("_Part", "_Class", "_Tenant")
+
+
+class _Flow:
+    """One flow of a class: its waiting inputs in arrival order (taken ones linger in the middle)."""
+
+    __slots__ = ("cls", "entries", "items", "key", "order_key", "seq", "vtime")
+
+    def __init__(self, key: Hashable, seq: int, cls: _Class, vtime: float, first: Entry) -> None:
+        self.key = key
+        self.seq = seq  # join order: the last tie-break
+        self.cls = cls
+        self.vtime = vtime  # tokens served (a flow's weight is 1): the start tag of its first waiting input
+        self.entries: deque[Entry] = deque((first,))
+        self.items = 1
+        self.order_key: _Key | None = None  # its place in cls.order while it has waiting inputs
+
+
+@dataclass(slots=True, eq=False)
+class _Class:
+    tenant: _Tenant
+    index: int  # 0 high, 1 normal, 2 low: breaks the last tie
+    weight: float
+    vtime: float = 0.0  # tokens served / weight, among the tenant's classes
+    clock: float = 0.0  # the flow level's fluid virtual time
+    items: int = 0
+    flows: dict[Hashable, _Flow] = field(default_factory=dict)  # flows with waiting inputs
+    order: list[_Key] = field(default_factory=list)  # those flows by (start, finish, join order)
+    multi: int = 0  # flows with more than one waiting input
+
+
+@dataclass(slots=True, eq=False)
+class _Tenant:
+    name: str
+    weight: float = 1.0
+    vtime: float = 0.0  # tokens served / weight, among tenants
+    seq: int = 0
+    clock: float = 0.0  # the class level's fluid virtual time
+    items: int = 0
+    queued_tokens: int = 0
+    classes: tuple[_Class, ...] = ()
+
+
+class FairQueue:
+    """Waiting inputs of one model, in tenant → class → flow fair order. Owned by the scheduler."""
+
+    def __init__(self, class_weights: tuple[float, float, float]) -> None:
+        self.class_weights = class_weights
+        self.tenants: dict[str, _Tenant] = {}
+        self.items = 0
+        self.tokens = 0
+        self._active: dict[str, _Tenant] = {}  # tenants with waiting inputs
+        self._active_weight = 0.0
+        self._clock = 0.0  # the tenant level's fluid virtual time
+        self._seq = itertools.count()
+
+    # -- in ------------------------------------------------------------------------------------------
+    def add(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            t = self.tenants.get(e.tenant)
+            if t is None:
+                if len(self.tenants) >= IDLE_TENANTS_KEPT:
+                    self._forget_idle_tenants()
+                t = self.tenants[e.tenant] = self._new_tenant(e.tenant)
+            if t.items == 0:
+                t.weight = e.weight
+                t.vtime = self._clock
+                if self._active:
+                    floor = min(x.vtime for x in self._active.values())
+                    t.vtime = max(floor, self._clock - e.n_tokens / t.weight)
+                t.seq = next(self._seq)
+                self._active[t.name] = t
+                self._active_weight += t.weight
+            elif e.weight != t.weight:
+                self._active_weight += e.weight - t.weight
+                t.weight = e.weight
+            p = e.priority
+            c = t.classes[p if 0 <= p <= 2 else (0 if p < 0 else 2)]
+            if c.items == 0:
+                c.vtime = t.clock
+                if t.items:
+                    floor = min(x.vtime for x in t.classes if x.items)
+                    c.vtime = max(floor, t.clock - e.n_tokens / c.weight)
+            f = c.flows.get(e.flow)
+            if f is None:
+                order = c.order
+                start = max(order[0][0], c.clock - e.n_tokens) if order else c.clock
+                f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, e)
+                key = f.order_key = (start, start + e.n_tokens, f.seq, f)
+                if not order or order[-1] < key:
+                    order.append(key)  # the usual place: one-input flows join in arrival order
+                else:
+                    bisect.insort(order, key)
+            else:
+                if f.items == 1:
+                    c.multi += 1
+                f.entries.append(e)
+                f.items += 1
+            e._flow = f
+            c.items += 1
+            t.items += 1
+            t.queued_tokens += e.n_tokens
+            self.items += 1
+            self.tokens += e.n_tokens
+
+    def _new_tenant(self, name: str) -> _Tenant:
+        t = _Tenant(name)
+        t.classes = tuple(_Class(t, i, w) for i, w in enumerate(self.class_weights))
+        return t
+
+    def _forget_idle_tenants(self) -> None:
+        # Tenant names come from clients (X-Tenant): keep memory bounded. Nothing is lost: an idle
+        # tenant that returns starts afresh anyway.
+        for name in [name for name, t in self.tenants.items() if t.items == 0]:
+            del self.tenants[name]
+
+    # -- order ---------------------------------------------------------------------------------------
+    def window(self, size: int) -> list[Entry]:
+        """The first ``size`` waiting inputs in fair order: the order in which taking them one by one
+        would serve them. The first is the one fairness says goes next (the batch's anchor)."""
+        if len(self._active) == 1:
+            (t,) = self._active.values()
+            return list(itertools.islice(_tenant_order(t, size), size))
+        tenants = [(t.vtime, t.weight, t.seq, _tenant_order(t, size)) for t in self._active.values()]
+        return list(itertools.islice(_merge(tenants, by_finish=False), size))
+
+    def waiting(self) -> Iterator[Entry]:
+        for t in self._active.values():
+            for c in t.classes:
+                for f in c.flows.values():
+                    yield from (e for e in f.entries if not e.taken)
+
+    def tenant_tokens(self, name: str) -> int:
+        t = self.tenants.get(name)
+        return 0 if t is None else t.queued_tokens
+
+    def tenant_queued_tokens(self) -> dict[str, int]:
+        return {name: t.queued_tokens for name, t in self._active.items()}
+
+    # -- out -----------------------------------------------------------------------------------------
+    def take(self, entries: Iterable[Entry], charge: bool) -> None:
+        """Take entries out; ``charge`` bills their tokens to their flow, class and tenant (a batch)."""
+        flows: dict[_Flow, list[int]] = {}  # tokens, inputs
+        total = [0, 0]
+        c: _Class | None = None
+        one_class = True
+        for e in entries:
+            if e.taken:
+                continue
+            e.taken = True
+            f = e._flow
+            assert f is not None, "an entry taken that was never added"
+            got = flows.get(f)
+            if got is None:
+                flows[f] = [e.n_tokens, 1]
+                if c is None:
+                    c = f.cls
+                elif f.cls is not c:
+                    one_class = False
+            else:
+                got[0] += e.n_tokens
+                got[1] += 1
+            total[0] += e.n_tokens
+            total[1] += 1
+        if c is None:
+            return
+        if one_class:  # the common case
+            classes = {c: total}
+            tenants = {c.tenant: total}
+        else:
+            classes = _sums((f.cls, got) for f, got in flows.items())
+            tenants = _sums((cls.tenant, got) for cls, got in classes.items())
+        if charge:
+            self._charge(flows, classes, tenants)
+        if len(classes) == 1:
+            _reorder(c, flows)
+        else:
+            for c in classes:
+                _reorder(c, {f: got for f, got in flows.items() if f.cls is c})
+        for c, (_, n) in classes.items():
+            c.items -= n
+        for t, (tokens, n) in tenants.items():
+            t.items -= n
+            t.queued_tokens -= tokens
+            self.items -= n
+            self.tokens -= tokens
+            if t.items == 0:
+                del self._active[t.name]
+                self._active_weight -= t.weight
+        if not self._active:
+            self._active_weight = 0.0  # no drift from the running sum
+
+    def _charge(
+        self,
+        flows: dict[_Flow, list[int]],
+        classes: dict[_Class, list[int]],
+        tenants: dict[_Tenant, list[int]],
+    ) -> None:
+        # Clocks advance by the tokens served over the weight that was active before this batch.
+        total = 0
+        for t, (tokens, _) in tenants.items():
+            total += tokens
+            t.vtime += tokens / t.weight
+            weight = 0.0
+            for c in t.classes:
+                if c.items:
+                    weight += c.weight
+            t.clock += tokens / weight
+        self._clock += total / self._active_weight
+        for c, (tokens, _) in classes.items():
+            c.vtime += tokens / c.weight
+            c.clock += tokens / len(c.order)
+        for f, (tokens, _) in flows.items():
+            f.vtime += tokens
+
+
+def _sums(parts: Iterable[tuple[_Part, list[int]]]) -> dict[_Part, list[int]]:
+    """(tokens, inputs) summed per key."""
+    sums: dict[_Part, list[int]] = {}
+    for key, (tokens, n) in parts:
+        got = sums.get(key)
+        if got is None:
+            sums[key] = [tokens, n]
+        else:
+            got[0] += tokens
+            got[1] += n
+    return sums
+
+
+def _reorder(c: _Class, flows: dict[_Flow, list[int]]) -> None:
+    """Give the flows of ``c`` that lost inputs their new place in ``c.order``, or drop them if empty."""
+    order = c.order
+    olds: list[_Key] = [f.order_key for f in flows if f.order_key is not None]
+    news: list[_Key] = []
+    for f, (_, n) in flows.items():
+        f.items -= n
+        c.multi += (f.items > 1) - (f.items + n > 1)
+        if f.items == 0:
+            del c.flows[f.key]
+            f.order_key = None
+            continue
+        q = f.entries
+        while q[0].taken:
+            q.popleft()
+        # Inputs taken from the middle stay until they reach the head; rebuild when they make up most
+        # of the deque, so memory stays proportional to what waits.
+        if len(q) > 2 * f.items + 64:
+            q = f.entries = deque(e for e in q if not e.taken)
+        key = f.order_key = (f.vtime, f.vtime + q[0].n_tokens, f.seq, f)
+        news.append(key)
+    if len(olds) <= 4:
+        for key in olds:
+            del order[bisect.bisect_left(order, key)]
+    else:
+        # Many (a batch of one-input requests): all sit near the front; one pass drops them.
+        end = bisect.bisect_right(order, max(olds))
+        order[:end] = [k for k in order[:end] if k[3].order_key is k]
+    for key in news:
+        bisect.insort(order, key)
+
+
+def _tenant_order(t: _Tenant, size: int) -> Iterator[Entry]:
+    """The tenant's first ``size`` waiting inputs (or more), in fair order."""
+    active = [c for c in t.classes if c.items]
+    if len(active) == 1:
+        return _class_order(active[0], size)
+    return _merge([(c.vtime, c.weight, c.index, _class_order(c, size)) for c in active], by_finish=True)
+
+
+def _class_order(c: _Class, size: int) -> Iterator[Entry]:
+    """The class's first ``size`` waiting inputs (or more), in fair order."""
+    order = c.order
+    if len(order) == 1:
+        return (e for e in order[0][3].entries if not e.taken)
+    if c.multi == 0:  # one-input flows only (the common case): their heads, in order
+        return iter([k[3].entries[0] for k in order[:size]])
+    return _flow_merge(order)
+
+
+def _flow_merge(order: list[_Key]) -> Iterator[Entry]:
+    """The inputs of a class's flows in fair order. Flows not reached yet are read from ``order`` (sorted
+    by their heads' tags); a flow reached has its next input in ``reached``, whose start tag is the
+    finish tag of the input before it."""
+    reached: list[tuple[float, float, int, Entry, Iterator[Entry]]] = []
+    i, n = 0, len(order)
+    while True:
+        if reached and (i == n or (reached[0][0], reached[0][1], reached[0][2]) < order[i][:3]):
+            _, fin, seq, e, rest = heapq.heappop(reached)
+        elif i < n:
+            _, fin, seq, f = order[i]
+            i += 1
+            rest = iter(f.entries)
+            e = next(rest)  # a flow's head is never a taken input: take() drops those
+        else:
+            return
+        yield e
+        for x in rest:
+            if not x.taken:
+                heapq.heappush(reached, (fin, fin + x.n_tokens, seq, x, rest))
+                break
+
+
+def _merge(children: list[tuple[float, float, int, Iterator[Entry]]], by_finish: bool) -> Iterator[Entry]:
+    """Interleave children's input sequences by fair queuing.
+
+    Each child is (vtime, weight, tie-break, its inputs in its own order); a child's next input starts
+    where its previous one finished (``+ tokens / weight``). Start tags first (start-time fair queuing),
+    or ``by_finish``: finish tags first (weighted fair queuing: a short input of a heavy child goes
+    before a sibling's input that started a little earlier but ends later).
+    """
+    heap: list[tuple[tuple[float, float], int, Entry, float, Iterator[Entry]]] = []
+    for start, weight, seq, inputs in children:
+        first = next(inputs, None)
+        if first is not None:
+            fin = start + first.n_tokens / weight
+            heap.append(((fin, start) if by_finish else (start, fin), seq, first, weight, inputs))
+    heapq.heapify(heap)
+    while heap:
+        tags, seq, _, weight, inputs = heap[0]
+        yield heap[0][2]
+        start = tags[0] if by_finish else tags[1]  # this input's finish: the next one's start
+        nxt = next(inputs, None)
+        if nxt is None:
+            heapq.heappop(heap)
+        else:
+            fin = start + nxt.n_tokens / weight
+            heapq.heapreplace(heap, ((fin, start) if by_finish else (start, fin), seq, nxt, weight, inputs))
