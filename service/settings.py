@@ -207,10 +207,14 @@ class Settings:
         "cost model says cannot make it, are answered 504/503 and never computed.",
         default=30000.0,
     )
-    priority_aging_ms: float = _knob(
-        "X-Priority: a waiting input moves up one class (low → normal → high) per this long, so low "
-        "priority never starves. Shorter is fairer, longer makes priorities stricter.",
-        default=1000.0,
+    priority_ratio: float = _knob(
+        "X-Priority under load: while requests of different priorities wait together, each class gets "
+        "this many times the tokens of the class below it (high:normal:low = R²:R:1; 4 gives 16:4:1), "
+        "and a fresh high request goes ahead of normal and low ones however long they have waited. "
+        "Larger makes priorities stricter under sustained load; smaller leaves more to the lower "
+        "classes, which never get less than 1/(R²+R+1) (low) and R/(R²+R+1) (normal) of the model, so "
+        "none starves. 1 = the classes share equally.",
+        default=4.0,
     )
     api_keys_file: str | None = _knob(
         "File of API keys, one per line: KEY TENANT [WEIGHT]. With it, model routes need "
@@ -408,8 +412,10 @@ def _validate(s: Settings) -> None:
         problems.append("graph capture budgets must be >= 0")
     if s.batching not in ("adaptive", "fixed", "none"):
         problems.append("batching must be adaptive, fixed or none")
-    if s.target_latency_ms <= 0 or s.request_timeout_ms <= 0 or s.priority_aging_ms <= 0:
-        problems.append("target_latency_ms, request_timeout_ms and priority_aging_ms must be > 0")
+    if s.target_latency_ms <= 0 or s.request_timeout_ms <= 0:
+        problems.append("target_latency_ms and request_timeout_ms must be > 0")
+    if s.priority_ratio < 1:
+        problems.append("priority_ratio must be >= 1")
     if s.max_wait_ms is not None and s.max_wait_ms < 0:
         problems.append("max_wait_ms must be >= 0")
     if s.tenant_max_queued_tokens < 0:

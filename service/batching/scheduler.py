@@ -72,9 +72,6 @@ class SchedulerConfig:
     # Larger makes priorities stricter under sustained load; low always keeps 1/(r²+r+1) of the tokens
     # (1/21 at 4) and normal r/(r²+r+1). 1 = classes share equally (X-Priority then only breaks ties).
     priority_ratio: float = 4.0
-    # Not read: aging let a bulk request's inputs outrank fresh higher-priority ones after this long;
-    # priority_ratio replaced it (issue 17). Kept only while service/gateway/models.py still passes it.
-    priority_aging_s: float = 1.0
     pipeline_depth: int = 1
 
 

@@ -157,7 +157,7 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
         max_wait_s=wait_ms / 1e3,
         max_queued_tokens=settings.max_queued_tokens,
         tenant_max_queued_tokens=settings.tenant_max_queued_tokens or settings.max_queued_tokens // 2,
-        priority_aging_s=settings.priority_aging_ms / 1e3,
+        priority_ratio=settings.priority_ratio,
         pipeline_depth=depth,
     )
 

@@ -121,7 +121,7 @@ def test_priorities_go_first_and_low_never_starves() -> None:
         + poisson(0.2 * CAPACITY, 10.0, rng, tokens=TOKENS, priority=2),
         key=lambda x: x.time,
     )
-    res = simulate(adaptive(priority_aging_s=1.0, max_queued_tokens=30_000), arrivals, A, B)
+    res = simulate(adaptive(max_queued_tokens=30_000), arrivals, A, B)
     high, normal, low = (res.by_priority[p] for p in (0, 1, 2))
     assert res.pct(0.5, high) < res.pct(0.5, normal)
     assert len(low) > 0.5 * 0.2 * CAPACITY * 10, "low priority keeps being served under overload"
