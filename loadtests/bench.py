@@ -13,7 +13,8 @@ markers are created when missing, and text outside the markers is kept):
 * ``gateway``: one process's CPU per request on a null model, beside an aiohttp stub;
 * ``engine``: ``--workers 2``'s engine and gateway CPU per request, and coalescing across gateways;
 * ``onnx``: the ONNX Runtime backend against torch: cold start, latency, throughput, idle (``bench_onnx``);
-* ``features``: the result cache on a replay with repeats, and binary/int8 retrieval recall.
+* ``features``: the result cache on a replay with repeats, and binary/int8 retrieval recall;
+* ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity.
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
-    "features",
+    "features", "fairness",
 )
 
 
@@ -129,7 +130,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from coalesce.loadtests import bench_engine, bench_features, bench_onnx, bench_sections
+    from coalesce.loadtests import bench_engine, bench_fairness, bench_features, bench_onnx, bench_sections
 
     runners: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
         "foundation": bench_sections.foundation,
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": bench_engine.engine,
         "onnx": bench_onnx.onnx,
         "features": bench_features.features,
+        "fairness": bench_fairness.fairness,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

@@ -211,6 +211,10 @@ class FairQueue:
                 for f in c.flows.values():
                     yield from (e for e in f.entries if not e.taken)
 
+    def active_flows(self) -> int:
+        """Flows with inputs waiting (requests, for the batcher), over every tenant and class."""
+        return sum(len(c.flows) for t in self._active.values() for c in t.classes)
+
     def tenant_tokens(self, name: str) -> int:
         t = self.tenants.get(name)
         return 0 if t is None else t.queued_tokens

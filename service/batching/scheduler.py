@@ -160,8 +160,9 @@ class Scheduler:
         if refusal is not None:
             return refusal
         if deadline is not None:
-            longest = max(lengths)
-            finish = now + self.drain_s(now) + self.cost.predict(self.padded_cost(len(lengths), longest))
+            finish = now + self._wait_s(total, len(lengths), now) + self.cost.predict(
+                self.padded_cost(len(lengths), max(lengths))
+            )
             if finish > deadline:
                 return Refusal(
                     "deadline_unmeetable",
@@ -169,6 +170,19 @@ class Scheduler:
                     self.drain_s(now),
                 )
         return None
+
+    def _wait_s(self, tokens: int, inputs: int, now: float) -> float:
+        """Predicted seconds until a new request of ``inputs`` inputs and ``tokens`` tokens starts its
+        last batch. Requests share the model fairly, so each one waiting is served about as many
+        tokens as this one before it is done, not all of its own: what runs first is at most one such
+        share per waiting request (and never more than all that waits). Priorities and tenant weights
+        move shares around; past this estimate, the deadline still answers 504."""
+        flows = self._queue.active_flows()
+        ahead_tokens = min(self.queued_tokens, flows * tokens)
+        ahead_inputs = min(self.queued_items, flows * inputs)
+        coef = self.cost.coef
+        batches = math.ceil(ahead_inputs / self.config.limits.max_batch_size)
+        return max(0.0, self.busy_until - now) + batches * coef.overhead_s + ahead_tokens * coef.per_token_s
 
     def drain_s(self, now: float) -> float:
         """Predicted seconds until everything already admitted has run."""

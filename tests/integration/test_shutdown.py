@@ -16,41 +16,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from ..conftest import free_port
+from ..conftest import free_port, tree_cpu_seconds, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "server exited during start-up"
-            try:
-                async with s.get(url + "/ready") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError("server never became ready")
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU of ``pid`` and its children (a --workers supervisor's engine and gateways)."""
-    total = cpu_seconds(pid)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                total += cpu_seconds(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return total
 
 
 @pytest.fixture(params=[1, 2], ids=["one-process", "two-gateways"])

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,89 +24,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from ..conftest import free_port
-from .test_shutdown import wait_ready
+from ..conftest import REPO, children_of, roles, wait_all_gateways, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
 SLOW = ["--runner-factory", "tests.fakes:slow_minilm"]  # the real tokenizer, 200 ms a batch
-REPO = Path(__file__).resolve().parents[2]
-
-
-def children_of(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc; no psutil here)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def role_of(pid: int) -> str:
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return args[args.index(b"--role") + 1].decode() if b"--role" in args else "all"
-
-
-def roles(supervisor: int) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for pid in children_of(supervisor):
-        out.setdefault(role_of(pid), []).append(pid)
-    return out
-
-
-class Replica:
-    """A `coalesce serve` process tree on loopback, stopped (and its children killed) at the end."""
-
-    def __init__(self, workers: int, args: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coalesce.service.cli", "serve", "--workers", str(workers),
-             "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-grace-s", "0.5",
-             "--log-level", "info", *args],
-            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-
-    def stop(self) -> str:
-        """Kill what is left; the process tree's log."""
-        for child in children_of(self.proc.pid):
-            os.kill(child, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        _, err = self.proc.communicate(timeout=20)
-        return err.decode(errors="replace")
-
-
-@pytest.fixture
-def replica() -> Iterator[Callable[..., Replica]]:
-    started: list[Replica] = []
-
-    def start(workers: int = 2, args: list[str] | None = None) -> Replica:
-        r = Replica(workers, args or [])
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
-
-
-async def wait_all_gateways(r: Replica, n: int = 2, timeout: float = 120) -> None:
-    """Ready means one gateway listens; wait until ``n`` distinct gateways have answered."""
-    await wait_ready(r.url, r.proc, timeout)
-    deadline = time.monotonic() + timeout
-    seen: set[str] = set()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        while len(seen) < n and time.monotonic() < deadline:
-            async with s.get(r.url + "/ready") as resp:
-                if resp.status == 200:
-                    seen.add(resp.headers["x-request-id"][:12])  # the per-process id prefix
-            await asyncio.sleep(0.05)
-    assert len(seen) == n, "not every gateway started listening"
 
 
 def metric(text: str, line_start: str) -> float:

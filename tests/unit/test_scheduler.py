@@ -369,3 +369,17 @@ def test_check_room_is_the_one_queue_bound_check() -> None:
     s.add([Entry(20, 0.0)])
     refusal = s.check_room("other", 1, 0.0)  # before tokenising: nothing more fits at all
     assert refusal is not None and refusal.reason == "queue_full"
+
+
+def test_a_query_behind_a_bulk_request_is_not_refused_as_unmeetable() -> None:
+    """Admission predicts a fair share, not the whole queue ahead: with a bulk request whose queue
+    takes far longer than the query's deadline, the query (which the fair order serves next) is
+    admitted, while a second request as large as the bulk one, which could not finish in time, is not."""
+    s = Scheduler(adaptive(max_queued_tokens=1 << 20), CostModel(), lambda n, m: n * m)
+    bulk = [Entry(16, 0.0, flow="bulk") for _ in range(2048)]
+    assert s.admit((e.n_tokens for e in bulk), "default", None, 0.0) is None
+    s.add(bulk)
+    assert s.drain_s(0.0) > 1.0  # the whole queue is seconds of work
+    assert s.admit([16], "default", 0.5, 0.0) is None  # one query, half a second
+    refusal = s.admit([16] * 2048, "default", 0.5, 0.0)
+    assert refusal is not None and refusal.reason == "deadline_unmeetable"
