@@ -207,6 +207,15 @@ class Settings:
         "cost model says cannot make it, are answered 504/503 and never computed.",
         default=30000.0,
     )
+    interactive_batch_ms: float = _knob(
+        "Bulk beside queries: while small requests (up to 4 inputs) keep arriving, a batch of a large "
+        "request is kept to about this many milliseconds of predicted compute, because a forward cannot "
+        "be interrupted and a query that arrives mid-batch waits for the rest of it. Shorter keeps "
+        "queries quick beside ingestion and costs bulk throughput where a forward's fixed cost is large "
+        "(CPU); 0 = off (bulk batches as large as the other limits allow). With no query in the last 5 "
+        "s, bulk runs at full size.",
+        default=50.0,
+    )
     priority_ratio: float = _knob(
         "X-Priority under load: while requests of different priorities wait together, each class gets "
         "this many times the tokens of the class below it (high:normal:low = R²:R:1; 4 gives 16:4:1), "
@@ -414,6 +423,8 @@ def _validate(s: Settings) -> None:
         problems.append("batching must be adaptive, fixed or none")
     if s.target_latency_ms <= 0 or s.request_timeout_ms <= 0:
         problems.append("target_latency_ms and request_timeout_ms must be > 0")
+    if s.interactive_batch_ms < 0:
+        problems.append("interactive_batch_ms must be >= 0")
     if s.priority_ratio < 1:
         problems.append("priority_ratio must be >= 1")
     if s.max_wait_ms is not None and s.max_wait_ms < 0:

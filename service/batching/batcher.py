@@ -284,7 +284,7 @@ class Batcher:
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
         if entries:
-            self.scheduler.add(entries)
+            self.scheduler.add(entries, inputs=len(seqs))
             self._idle.clear()
             self._wake.set()
         return future

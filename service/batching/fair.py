@@ -74,6 +74,7 @@ class Entry:
     payload: Any = None
     flow: Hashable = None
     kind: object = None  # what the runner returns for it: entries of different kinds never share a batch
+    bulk: bool = False  # part of a request of many inputs (the scheduler sets it; see interactive_batch_s)
     taken: bool = field(default=False, repr=False)
     _flow: _Flow | None = field(default=None, init=False, repr=False)  # set by FairQueue.add
 

@@ -72,7 +72,17 @@ class SchedulerConfig:
     # Larger makes priorities stricter under sustained load; low always keeps 1/(r²+r+1) of the tokens
     # (1/21 at 4) and normal r/(r²+r+1). 1 = classes share equally (X-Priority then only breaks ties).
     priority_ratio: float = 4.0
+    # A batch of a bulk request (more than INTERACTIVE_INPUTS inputs) is predicted to take at most this
+    # long while small requests are about (one came within INTERACTIVE_MEMORY_S): a forward cannot be
+    # interrupted, so a query that arrives mid-batch waits out what remains of it. Shorter keeps queries
+    # quick beside ingestion, at some bulk throughput where a forward's fixed cost is large (CPU);
+    # 0 = off (bulk batches as large as the other limits allow).
+    interactive_batch_s: float = 0.05
     pipeline_depth: int = 1
+
+
+INTERACTIVE_INPUTS = 4  # a request of at most this many inputs is a query, not ingestion
+INTERACTIVE_MEMORY_S = 5.0  # how long after the last query bulk batches stay short
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +115,7 @@ class Scheduler:
         self.padded_cost = padded_cost
         self.inflight = 0
         self.busy_until = 0.0  # predicted end of the work already handed to the model
+        self._query_at = -math.inf  # when the last small request (a query) arrived
         r = config.priority_ratio
         self._queue = FairQueue((r * r, r, 1.0))
         self._deadlines: list[tuple[float, int, Entry]] = []  # heap of entries that have one
@@ -194,9 +205,15 @@ class Scheduler:
             + self.queued_tokens * coef.per_token_s
         )
 
-    def add(self, entries: Iterable[Entry]) -> None:
-        """Queue admitted entries (one request's inputs, in order; they share its ``flow``)."""
+    def add(self, entries: Iterable[Entry], inputs: int | None = None) -> None:
+        """Queue admitted entries (one request's inputs, in order; they share its ``flow``). ``inputs``
+        is the request's size when some of its inputs are not queued (cached, or shared with another)."""
         entries = list(entries)
+        if (len(entries) if inputs is None else inputs) > INTERACTIVE_INPUTS:
+            for e in entries:
+                e.bulk = True
+        elif entries:
+            self._query_at = entries[0].arrival
         self._queue.add(entries)
         for e in entries:
             if e.deadline is not None:
@@ -230,13 +247,24 @@ class Scheduler:
             # The batch is sized for its anchor, the input fair order serves first: inputs of a bulk
             # request that lost the target long ago must not make a fresh query's batch a long one.
             budget = cfg.target_latency_s - (start - window[0].arrival)
+            limit = budget
+            if cfg.interactive_batch_s > 0 and now - self._query_at <= INTERACTIVE_MEMORY_S:
+                alone = self.cost.predict(self.padded_cost(1, window[0].n_tokens))
+                if window[0].bulk:  # ingestion while queries are about: a short batch
+                    limit = max(cfg.interactive_batch_s, alone)
+                elif any(e.bulk for e in window):
+                    # A query may carry ingestion's inputs only while that costs it at most twice its
+                    # own forward: on a launch-bound device a full batch, on a CPU hardly any.
+                    limit = 2 * alone
+                # (A limit the anchor alone fits, never the latency budget: a budget nearly spent would
+                # let form_batch drop the limit and run the longest batch of all.)
             picked = form_batch(
                 [e.n_tokens for e in window],
                 0,
                 cfg.limits,
                 self.padded_cost,
                 self.cost.predict,
-                max_seconds=budget,
+                max_seconds=limit,
             )
             hold = self._hold_until(window, picked, now, budget)
             if hold is not None:

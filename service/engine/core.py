@@ -158,6 +158,7 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
         max_queued_tokens=settings.max_queued_tokens,
         tenant_max_queued_tokens=settings.tenant_max_queued_tokens or settings.max_queued_tokens // 2,
         priority_ratio=settings.priority_ratio,
+        interactive_batch_s=settings.interactive_batch_ms / 1e3,
         pipeline_depth=depth,
     )
 

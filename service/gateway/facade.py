@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from .models import ModelRegistry
     from .remote import EngineClient
 
+_BULK_TEXTS = 32  # a request of more texts than this tokenises apart from the others
+TOKENIZER_THREADS = 2  # per model per gateway process: one for queries, one for bulk requests
 _Pending = tuple[Sequence[str], "asyncio.Future[list[list[int]]]"]
 
 
@@ -58,12 +60,16 @@ class ServedModel:
         self._prompt_lengths: dict[str, int] = {}
         self._metrics = metrics
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-tok-{info.name}")
+        # A request of many texts tokenises on a thread of its own, so a query never waits behind it.
+        self._bulk_cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-bulk-{info.name}")
         self._pending: list[_Pending] = []
 
     # -- tokenising ----------------------------------------------------------------------------------
     async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Raw ids of ``texts`` (no special tokens, untruncated), off the event loop."""
         loop = asyncio.get_running_loop()
+        if len(texts) > _BULK_TEXTS:
+            return await loop.run_in_executor(self._bulk_cpu, self.tokens.tokenize, texts)
         fut: asyncio.Future[list[list[int]]] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush_tokenize)
@@ -186,6 +192,7 @@ class ServedModel:
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._bulk_cpu.shutdown(wait=False, cancel_futures=True)
 
 
 class LocalModel(ServedModel):

@@ -25,7 +25,7 @@ from ..schemas import (
     TokenizeRequest,
     decode,
 )
-from .facade import ServedModel
+from .facade import TOKENIZER_THREADS, ServedModel
 from .inputs import checked_items
 from .models import MODELS, pick_model
 from .responses import json_response
@@ -64,11 +64,11 @@ async def info(request: web.Request) -> web.Response:
     can hold at once, each as short as an input can be (one token and the special tokens);
     ``max_batch_tokens``/``max_batch_requests`` — the batch limits the scheduler applies;
     ``max_client_batch_size`` — ``--max-inputs``; ``tokenization_workers`` — the threads that tokenise
-    this model's inputs, one per gateway process (``--workers``); ``served_model_name`` — the name
-    requests use; ``prompts`` — the model's sentence-transformers prompts (null when it has none), and our
-    ``default_prompt``, the text applied when a request names none, and ``quantization_ranges``, the
-    fixed per-dimension ranges of int8/uint8 output. No build hash, image label or model
-    revision is known here: those are null.
+    this model's inputs, two per gateway process (queries and bulk requests apart) times ``--workers``;
+    ``served_model_name`` — the name requests use; ``prompts`` — the model's sentence-transformers
+    prompts (null when it has none); our ``default_prompt``, the text applied when a request names none,
+    and ``quantization_ranges``, the fixed per-dimension ranges of int8/uint8 output. No build hash,
+    image label or model revision is known here: those are null.
     """
     model = pick_model(request, request.query.get("model"), _ALL_TASKS, "/info")
     settings = request.app[SETTINGS]
@@ -85,7 +85,7 @@ async def info(request: web.Request) -> web.Response:
         max_batch_requests=settings.max_batch_size,
         max_client_batch_size=settings.max_inputs,
         auto_truncate=settings.truncate,
-        tokenization_workers=settings.workers,
+        tokenization_workers=TOKENIZER_THREADS * settings.workers,
         version=_version(),
         sha=None,
         docker_label=None,

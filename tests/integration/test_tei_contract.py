@@ -179,7 +179,7 @@ async def test_info_has_every_field_teis_document_requires(server: ServerThread)
         given = [k for k in kinds if getattr(info.model_type, k) is not None]
         assert given == [kind]
         assert info.model_id == info.served_model_name == model and info.model_dtype == "float32"
-        assert (info.max_client_batch_size, info.max_batch_requests, info.tokenization_workers) == (4, 1, 1)
+        assert (info.max_client_batch_size, info.max_batch_requests, info.tokenization_workers) == (4, 1, 2)
         assert info.max_batch_tokens == 16384 and info.max_concurrent_requests == 64 // 3
     tei_error(*await send(server.url, "GET", "/info?model=nope"), 404, "Validation")
 

@@ -91,7 +91,7 @@ async def test_info_describes_each_model_and_lists_all(server: ServerThread) -> 
     assert info["max_input_length"] == 256 and info["max_client_batch_size"] == 2048
     assert info["model_dtype"] == "float32" and info["served_model_name"] == EMBEDDER
     assert info["max_batch_requests"] == 32 and info["max_batch_tokens"] == 16384
-    assert info["tokenization_workers"] == 1  # one tokenizer thread per model in the one process
+    assert info["tokenization_workers"] == 2  # two tokenizer threads per model in the one process
     assert info["max_concurrent_requests"] == 524288 // 3  # the queue bound over the shortest input
     assert info["auto_truncate"] is True and info["prompts"] is None and info["model_sha"] is None
     assert info["models"] == [

@@ -122,7 +122,7 @@ async def test_tei_token_similarity_and_decode_routes_through_the_engine(replica
         assert float(np.asarray(got[0]) @ w) >= 0.99999
     assert similarity == pytest.approx([float(want[0] @ w) for w in want[1:]], abs=1e-5)
     assert decoded == [texts[3]]
-    assert info["tokenization_workers"] == 2 and info["model_dtype"] == "float32"
+    assert info["tokenization_workers"] == 4 and info["model_dtype"] == "float32"
 
 
 def _shape(status: int, body: dict[str, Any], headers: Any) -> tuple[Any, ...]:

@@ -261,7 +261,17 @@ def test_a_query_behind_a_bulk_request_is_in_the_next_batch_on_a_cpu() -> None:
         # chunks' length costs more than a forward of its own, so it runs without them.
         assert res.finished[q.flow] - q.time <= longest_batch + 0.05
     alone = simulate(adaptive(), [bulk], A, B, noise=0.0)
-    assert res.finished["bulk"] <= alone.finished["bulk"] + 0.05  # the bulk request barely notices
+    assert res.finished["bulk"] <= alone.finished["bulk"] * 1.02  # the bulk request barely notices
+    # While queries are about (for 5 s after the last one), ingestion runs in short batches: about
+    # interactive_batch_s, or one chunk where a single chunk takes longer; full ones before and after.
+    full = max(b.end - b.start for b in alone.batches)
+    one_chunk = A + B * CHUNK
+    during = [b for b in res.batches if 1.0 < b.start < 7.0 and "bulk" in b.flows()]
+    assert (
+        during
+        and max(b.end - b.start for b in during) <= max(adaptive().interactive_batch_s, one_chunk) * 1.1
+    )
+    assert max(b.end - b.start for b in res.batches if b.start > 8.0) == pytest.approx(full)
     # Without flows (one shared flow, first come first served) the same queries wait for the whole bulk.
     shared = simulate(adaptive(), [replace(a, flow=None) for a in (bulk, *queries)], A, B, noise=0.0)
     assert shared.pct(1.0) > 60.0
@@ -273,8 +283,10 @@ def test_a_query_behind_a_bulk_request_shares_the_next_batch_on_a_launch_bound_d
     res = simulate(adaptive(), [bulk, query], GPU_A, GPU_B, noise=0.0)
     batch = first_batch_after(res, query.time)
     assert "q" in batch.flows()
-    # The bulk request fills the rest of the batch: one forward is cheaper than two here.
-    assert len(batch.entries) == LIMITS.max_batch_size and "bulk" in batch.flows()
+    # The bulk request's inputs ride along, as many as keep the query within twice its own forward
+    # (on a launch-bound device, several; on a CPU, hardly any): one forward is cheaper than two here.
+    assert len(batch.entries) > 1 and "bulk" in batch.flows()
+    assert batch.end - batch.start <= 2 * (GPU_A + GPU_B * 12) * 1.05 + GPU_B * CHUNK
 
 
 @pytest.mark.parametrize("lengths", [(CHUNK, CHUNK), (100, 300)])
@@ -309,24 +321,30 @@ def test_a_fresh_high_query_beats_normal_inputs_that_waited_long() -> None:
 
 
 def test_low_priority_completes_under_a_sustained_high_stream() -> None:
-    # High one-input requests at 2× capacity for 30 s; a low request of 100 inputs at t=1 and a low query
-    # at t=15. Low keeps 1/(r²+1) = 1/17 of the tokens against high alone: the 100 inputs take ~5.7 s.
+    # High one-input requests at 2× capacity for 30 s, a backlog growing all along (the bound is high
+    # enough that nothing is refused, so the low requests below are surely queued); a low request of 100
+    # inputs at t=1 and a low query at t=15. Low keeps 1/(r²+1) = 1/17 of the tokens against high alone:
+    # the 100 inputs take ~5.7 s of their share.
     rng = random.Random(12)
     high = own_flows(poisson(2.0 * CAPACITY, 30.0, rng, tokens=TOKENS, priority=0))
     low_bulk = Arrival(1.0, TOKENS, priority=2, flow="low-bulk", inputs=100)
     low_query = Arrival(15.0, TOKENS, priority=2, flow="low-query")
     res = simulate(
-        adaptive(max_queued_tokens=20_000),
+        adaptive(max_queued_tokens=1 << 20),
         sorted([*high, low_bulk, low_query], key=lambda a: a.time),
         A,
         B,
         horizon=31.0,
     )
-    assert res.refused["queue_full"] > 0, "high overloads the model"
+    assert not res.refused and res.max_queued_tokens > 50_000, "high overloads the model"
     share = 1 / (1 + 4.0**2)
     bound = 100 * TOKENS / (share * CAPACITY * TOKENS)
-    assert res.finished["low-bulk"] - low_bulk.time <= 1.2 * bound
-    assert "low-query" in first_batch_after(res, low_query.time).flows()
+    # Within its share; its batches stay short beside the high queries (interactive_batch_s), which
+    # costs it some efficiency, not its turn.
+    assert res.finished["low-bulk"] - low_bulk.time <= 1.5 * bound
+    # A low query under the high stream is in one of the next batches (its class is owed its share).
+    after = [b for b in res.batches if b.start >= low_query.time][:2]
+    assert any("low-query" in b.flows() for b in after)
 
 
 def test_a_stream_of_new_requests_cannot_starve_one_already_waiting() -> None:
