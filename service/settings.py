@@ -316,6 +316,11 @@ def _env_name(f: dataclasses.Field[Any]) -> str:
     return ENV_PREFIX + _flag(f).lstrip("-").replace("-", "_").upper()
 
 
+def env_name(knob: str) -> str:
+    """The environment variable of the Settings field ``knob`` (``COALESCE_...``)."""
+    return _env_name(next(f for f in dataclasses.fields(Settings) if f.name == knob))
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):

@@ -23,6 +23,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def metric(text: str, name: str, model: str | None = None, **labels: str) -> float:
+    """The sum of the samples named ``name`` in a Prometheus text exposition, over the ones that carry
+    ``labels`` (and ``model``, when given). The one parser the tests read ``/metrics`` with."""
+    from coalesce.loadtests.promtext import parse
+
+    want = {**labels, **({"model": model} if model is not None else {})}
+    return sum(
+        value for (sample, sample_labels), value in parse(text).items()
+        if sample == name and want.items() <= dict(sample_labels).items()
+    )
+
+
+async def metrics_text(url: str) -> str:
+    """``GET url/metrics``."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return await r.text()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

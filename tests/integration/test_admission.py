@@ -10,6 +10,7 @@ import aiohttp
 import numpy as np
 from coalesce.service.settings import build
 
+from ..conftest import metric, metrics_text
 from ..fakes import FakeRunner
 
 
@@ -21,19 +22,6 @@ async def post(
         s.post(url + "/v1/embeddings", json=body, headers=headers or {}) as r,
     ):
         return r.status, await r.json(content_type=None), r.headers
-
-
-async def metrics_text(url: str) -> str:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        return await r.text()
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def test_flood_past_the_bound_gets_429_while_admitted_requests_complete(serve: Any) -> None:
@@ -52,8 +40,8 @@ async def test_flood_past_the_bound_gets_429_while_admitted_requests_complete(se
             assert body["error"]["type"] == "rate_limit_error"
             assert body["error"]["code"] == "queue_full"
     text = await metrics_text(srv.url)
-    assert sample(text, "coalesce_rejected_total", reason="queue_full") == statuses.count(429)
-    assert sample(text, "coalesce_queued_tokens") == 0
+    assert metric(text, "coalesce_rejected_total", reason="queue_full") == statuses.count(429)
+    assert metric(text, "coalesce_queued_tokens") == 0
 
 
 async def test_expired_deadline_is_answered_without_compute(serve: Any) -> None:
@@ -72,7 +60,7 @@ async def test_expired_deadline_is_answered_without_compute(serve: Any) -> None:
     assert len(runner.batches) - before == 1, "the hurried request must never reach the model"
     text = await metrics_text(srv.url)
     assert (
-        sum(sample(text, "coalesce_rejected_total", reason=r) for r in ("expired", "deadline_unmeetable"))
+        sum(metric(text, "coalesce_rejected_total", reason=r) for r in ("expired", "deadline_unmeetable"))
         >= 1
     )
 
@@ -87,7 +75,7 @@ async def test_a_deadline_that_passes_mid_batch_is_answered_504_at_once(serve: A
     assert status == 504, "the answer must come at the deadline, not when the batch ends"
     assert body["error"]["code"] == "deadline_exceeded"
     text = await metrics_text(srv.url)
-    assert sample(text, "coalesce_rejected_total", reason="expired") == 1
+    assert metric(text, "coalesce_rejected_total", reason="expired") == 1
 
 
 async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
@@ -106,7 +94,7 @@ async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
     assert status == 200
     assert len(runner.batches) - before == 2, "only the busy request and the last one were computed"
     text = await metrics_text(srv.url)
-    assert sample(text, "coalesce_rejected_total", reason="cancelled") == 3
+    assert metric(text, "coalesce_rejected_total", reason="cancelled") == 3
 
 
 async def test_api_keys_guard_model_routes_and_name_the_tenant(serve: Any, tmp_path: Path) -> None:

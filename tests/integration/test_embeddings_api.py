@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from coalesce.service.settings import build
 
-from ..conftest import ServerThread
+from ..conftest import ServerThread, metric
 
 MODEL = "all-MiniLM-L6-v2"
 POISON = 5  # an [unusedN] id: a batch containing it makes the wrapped runner raise
@@ -125,14 +125,6 @@ def test_official_openai_client_works_unchanged(server: ServerThread, st_model: 
         client.embeddings.create(model=MODEL, input=[""])
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-
-
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def test_concurrent_requests_batch_together_and_each_gets_its_own_vector(

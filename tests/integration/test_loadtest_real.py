@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +11,6 @@ from coalesce.loadtests import servers
 from coalesce.loadtests.cli import run_async
 from coalesce.loadtests.results import load
 from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target
-
-if importlib.util.find_spec("coalesce.service") is None:
-    pytest.skip("coalesce.service is not importable in this environment", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

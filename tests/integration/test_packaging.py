@@ -75,3 +75,10 @@ def test_default_model_loads_without_transformers() -> None:
     result = run(code, ROOT / "tests")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_the_packaged_model_is_detected_as_an_embedding_model(minilm_path: str) -> None:
+    from coalesce.kernels.hf_runners import detect_task
+    from coalesce.kernels.protocol import Task
+
+    assert detect_task(minilm_path) is Task.EMBED

@@ -16,7 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from ..conftest import free_port, tree_cpu_seconds, wait_ready
+from ..conftest import free_port, metric, tree_cpu_seconds, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -62,8 +62,7 @@ async def test_idle_server_uses_no_cpu_and_sigterm_under_load_loses_nothing(
         while time.monotonic() < deadline:
             async with s.get(url + "/metrics") as r:
                 metrics = await r.text()
-            inflight = next(float(line.split()[-1]) for line in metrics.splitlines()
-                            if line.startswith("coalesce_inflight_requests "))
+            inflight = metric(metrics, "coalesce_inflight_requests")
             if inflight >= 41 or all(t.done() for t in tasks):
                 break
             await asyncio.sleep(0.02)

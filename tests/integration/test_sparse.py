@@ -15,7 +15,7 @@ from coalesce.kernels.hf_runners import detect_task
 from coalesce.kernels.protocol import Task
 from coalesce.service.settings import build
 
-from ..conftest import ServerThread
+from ..conftest import ServerThread, metric
 from .tiny_models import splade_dir
 
 TEXTS = ["how do plants make oxygen", "the striker scored twice in the second half", "a b c"]
@@ -69,11 +69,9 @@ async def test_sparse_inputs_from_many_callers_batch_together(server: ServerThre
     for row, expected in zip(got, _want(texts), strict=True):
         _same(row, expected)
 
-    def batches(text: str) -> float:
-        line = next(ln for ln in text.splitlines() if ln.startswith('coalesce_batches_total{model="splade"}'))
-        return float(line.rsplit(" ", 1)[1])
-
-    assert batches(after) - batches(before) < len(texts), "concurrent sparse inputs share batches"
+    batches = (metric(after, "coalesce_batches_total", "splade")
+               - metric(before, "coalesce_batches_total", "splade"))
+    assert batches < len(texts), "concurrent sparse inputs share batches"
 
 
 async def test_the_embedding_routes_name_the_sparse_route(server: ServerThread) -> None:

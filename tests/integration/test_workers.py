@@ -24,16 +24,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from ..conftest import REPO, children_of, roles, wait_all_gateways, wait_ready
+from ..conftest import REPO, children_of, metric, roles, wait_all_gateways, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
 SLOW = ["--runner-factory", "tests.fakes:slow_minilm"]  # the real tokenizer, 200 ms a batch
-
-
-def metric(text: str, line_start: str) -> float:
-    lines = [ln for ln in text.splitlines() if ln.startswith(line_start)]
-    assert len(lines) == 1, line_start
-    return float(lines[0].rsplit(" ", 1)[1])
 
 
 async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_model: Any) -> None:
@@ -75,10 +69,10 @@ async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_mo
         assert np.sum(np.asarray(got) * want_pair, axis=1).min() >= 0.99999
 
     # One scrape, whichever gateway answered it, counts what both served and the engine's batches.
-    assert metric(metrics, 'coalesce_requests_total{route="/v1/embeddings",status="200"}') == 24
-    assert metric(metrics, 'coalesce_inputs_total{model="all-MiniLM-L6-v2"}') == 24 + 16
-    assert metric(metrics, 'coalesce_batches_total{model="all-MiniLM-L6-v2"}') >= 1
-    assert metric(metrics, "coalesce_ready ") == 1
+    assert metric(metrics, "coalesce_requests_total", route="/v1/embeddings", status="200") == 24
+    assert metric(metrics, "coalesce_inputs_total", MODEL) == 24 + 16
+    assert metric(metrics, "coalesce_batches_total", MODEL) >= 1
+    assert metric(metrics, "coalesce_ready") == 1
 
     r.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(r.proc.wait, 60) == 0
@@ -191,8 +185,8 @@ async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(
             if 'reason="cancelled"' in text:
                 break
             await asyncio.sleep(0.05)
-    assert metric(text, 'coalesce_rejected_total{model="all-MiniLM-L6-v2",reason="cancelled"}') == 5
-    assert metric(text, 'coalesce_inputs_total{model="all-MiniLM-L6-v2"}') == 1, "never computed"
+    assert metric(text, "coalesce_rejected_total", MODEL, reason="cancelled") == 5
+    assert metric(text, "coalesce_inputs_total", MODEL) == 1, "never computed"
 
 
 async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica_down(replica: Any) -> None:

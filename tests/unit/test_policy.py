@@ -116,7 +116,9 @@ def test_repeated_formation_drains_everything_in_bounded_steps() -> None:
         assert waiting[0] in chosen  # the oldest never waits behind a newer batch
         waiting = [i for i in waiting if i not in chosen]
         rounds += 1
-        assert rounds <= 500
+    # Batches stay well above one input on average (81 here; 500 would mean the anchor ran alone each
+    # time), while lengths from 3 to 256 tokens are grouped.
+    assert rounds <= 100
 
 
 def test_padding_ratio() -> None:

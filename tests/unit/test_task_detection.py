@@ -28,10 +28,6 @@ def classifier_config(n: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def test_the_packaged_sentence_transformers_model_embeds(minilm_path: str) -> None:
-    assert detect_task(minilm_path) is Task.EMBED
-
-
 @pytest.mark.parametrize(
     ("files", "task"),
     [
