@@ -168,6 +168,8 @@ class Batcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._tenant_series: set[str] = set()  # tenants with a coalesce_tenant_queued_tokens series
+        self._queue_shown: tuple[int, int] | None = None  # what the queue gauges last said
+        self._coef_shown: object = None  # the cost coefficients the gauges last said
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -263,8 +265,10 @@ class Batcher:
         future.add_done_callback(self._on_job_done)
         series = self._series
         if cache is not None:
-            series.cache_hits.inc(len(hits))
-            series.cache_misses.inc(len(seqs) - len(hits))
+            if hits:
+                series.cache_hits.inc(len(hits))
+            if len(hits) < len(seqs):
+                series.cache_misses.inc(len(seqs) - len(hits))
         if shared or any(len(p) > 1 for p in fresh.values()):
             series.deduplicated.inc(len(shared) + sum(len(p) - 1 for p in fresh.values()))
         for i, work in shared:
@@ -363,8 +367,11 @@ class Batcher:
 
     def _gauges(self) -> None:
         sched = self.scheduler
-        self._series.queue_depth.set(sched.queued_items)
-        self._series.queued_tokens.set(sched.queued_tokens)
+        queue = (sched.queued_items, sched.queued_tokens)
+        if queue != self._queue_shown:  # a gauge write is a locked file write under --workers
+            self._queue_shown = queue
+            self._series.queue_depth.set(queue[0])
+            self._series.queued_tokens.set(queue[1])
         # Only tenants with work waiting are exported: tenant names come from clients. Under --workers
         # the shared series can never be removed, so none is exported there.
         if self._metrics.multiprocess_dir is not None:
@@ -420,8 +427,10 @@ class Batcher:
         finally:
             self.scheduler.done(padded, seconds, time.monotonic())
             coef = self.scheduler.cost.coef
-            m.cost_overhead.set(coef.overhead_s)
-            m.cost_per_token.set(coef.per_token_s)
+            if coef is not self._coef_shown:  # refitted (every few batches)
+                self._coef_shown = coef
+                m.cost_overhead.set(coef.overhead_s)
+                m.cost_per_token.set(coef.per_token_s)
             self._wake.set()
 
     def _record(self, batch: list[Entry], padded: int, start: float, out: Output) -> None:
