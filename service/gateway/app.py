@@ -105,8 +105,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:
     if exc.status == 404:
         return RouteNotFound(f"No route {request.method} {request.path}.")
-    if exc.status == 405:
-        return MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(
+            f"Method {request.method} is not allowed on {request.path}.", allowed=exc.allowed_methods
+        )
     if exc.status == 413:
         limit = request.app[SETTINGS].max_body_bytes
         return PayloadTooLarge(f"The request body exceeds this server's limit of {limit} bytes.")
