@@ -8,7 +8,7 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.coalesce-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench gpu-check gpu-bundle clean
+.PHONY: install serve test lint fuzz bench gpu-check gpu-bundle clean
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service kernels loadtests tests
 	$(VENV)/bin/mypy service kernels loadtests
+
+# schemathesis against a `coalesce serve` it starts on loopback (the packaged model and tiny classifier,
+# reranker and SPLADE models), every route of /openapi.json, fixed seed, 500 examples per route:
+# make fuzz ARGS="--max-examples 1000", ARGS="--api-keys" (keys on), ARGS="-- --report json" (schemathesis's)
+fuzz: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m tests.integration.fuzz $(ARGS)
 
 # Regenerates BENCHMARKS.md's CPU tables (run on an otherwise idle machine): make bench ARGS="--only foundation"
 bench: $(STAMP)

@@ -8,6 +8,8 @@ logs it loudly and answers 500.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class CoalesceError(Exception):
     """An error the client is told about. Subclasses fix the HTTP status and the OpenAI ``type``."""
@@ -54,9 +56,19 @@ class RouteNotFound(CoalesceError):
 
 
 class MethodNotAllowed(CoalesceError):
+    """A method the path does not serve; ``allowed`` (the ones it does) go in ``Allow``, as RFC 9110
+    requires of a 405."""
+
     status = 405
     type = "invalid_request_error"
     default_code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allowed: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.allowed = sorted(set(allowed))
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ", ".join(self.allowed)}
 
 
 class PayloadTooLarge(CoalesceError):

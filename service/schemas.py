@@ -7,7 +7,7 @@ the JSON path of the offending field as ``param``; no raw dict travels past this
 from __future__ import annotations
 
 import re
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -15,11 +15,21 @@ from .errors import InvalidRequest
 
 T = TypeVar("T")
 
+# What the routes require of inputs beyond their types: declared here for the OpenAPI document only
+# (``extra_json_schema``), as the routes check them to answer each dialect's own error (an empty input
+# is TEI's 400 ``Empty``, not a decoding error), and ids must also fall inside the model's vocabulary.
+Text = Annotated[str, msgspec.Meta(extra_json_schema={"minLength": 1})]
+NonEmpty = Annotated[list[T], msgspec.Meta(extra_json_schema={"minItems": 1})]
+Texts = NonEmpty[Text]
+Labels = Annotated[list[Text], msgspec.Meta(extra_json_schema={"minItems": 1, "uniqueItems": True})]
+TokenId = Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0})]
+TokenIds = NonEmpty[TokenId]
+
 
 class EmbeddingRequest(msgspec.Struct, frozen=True):
     """OpenAI ``POST /v1/embeddings``. ``model`` is checked by the route, for a precise error."""
 
-    input: str | list[str | int | list[int]]
+    input: Text | NonEmpty[Text | TokenId | TokenIds]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -55,6 +65,23 @@ class ModelCard(msgspec.Struct, frozen=True):
 class ModelList(msgspec.Struct, frozen=True):
     data: list[ModelCard]
     object: str = "list"
+
+
+class Health(msgspec.Struct, frozen=True):
+    """``GET /health``: the event loop answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+PhaseName = Literal["starting", "ready", "draining", "failed"]
+
+
+class Readiness(msgspec.Struct, frozen=True, omit_defaults=True):
+    """``GET /ready``: ``ready`` with the served models (200), else the phase and why (503)."""
+
+    status: PhaseName
+    models: list[str] | None = None
+    error: str | None = None
 
 
 # -- errors: one body per dialect (``dialects.py`` decides which a route answers with) ----------------
@@ -95,10 +122,10 @@ class CohereError(msgspec.Struct, frozen=True):
 class ClassifyRequest(msgspec.Struct, frozen=True):
     """Infinity ``POST /classify``. With ``labels``, zero-shot classification by an embedding model."""
 
-    input: str | list[str | int | list[int]]
+    input: Text | NonEmpty[Text | TokenId | TokenIds]
     model: str | None = None
     raw_scores: bool = False
-    labels: list[str] | None = None
+    labels: Labels | None = None
 
 
 class Prediction(msgspec.Struct, frozen=True):
@@ -116,14 +143,14 @@ class ClassifyResponse(msgspec.Struct, frozen=True):
 class PredictRequest(msgspec.Struct, frozen=True):
     """TEI ``POST /predict``: a text, a pair ``[a, b]``, or a batch ``[[a], [a, b], ...]``."""
 
-    inputs: str | list[str | list[str]]
+    inputs: Text | NonEmpty[Text | Texts]
     raw_scores: bool = False
     truncate: bool | None = None
     model: str | None = None
 
 
 class RerankDocument(msgspec.Struct, frozen=True):
-    text: str
+    text: Text
 
 
 class RerankRequest(msgspec.Struct, frozen=True):
@@ -132,9 +159,9 @@ class RerankRequest(msgspec.Struct, frozen=True):
     ``raw_scores``); exactly one of ``documents`` and ``texts``. ``return_documents`` left out means
     the path's default (``/v1/rerank``: true, as Jina and vLLM answer; ``/rerank``: false)."""
 
-    query: str
-    documents: list[str | RerankDocument] | None = None
-    texts: list[str] | None = None
+    query: Text
+    documents: NonEmpty[Text | RerankDocument] | None = None
+    texts: Texts | None = None
     model: str | None = None
     top_n: int | None = None
     return_documents: bool | None = None
@@ -168,7 +195,7 @@ class EmbedV2Request(msgspec.Struct, frozen=True):
 
     model: str | None = None
     input_type: str | None = None
-    texts: list[str] | None = None
+    texts: Texts | None = None
     images: list[str] | None = None
     inputs: list[msgspec.Raw] | None = None
     max_tokens: int | None = None
@@ -213,8 +240,8 @@ class RerankV2Request(msgspec.Struct, frozen=True):
     """Cohere v2 ``POST /v2/rerank`` (what ``cohere.ClientV2.rerank`` sends). ``priority`` and
     ``relevant_spans`` are accepted and ignored (``X-Priority`` orders work here)."""
 
-    query: str
-    documents: list[str]
+    query: Text
+    documents: Texts
     model: str | None = None
     top_n: int | None = None
     max_tokens_per_doc: int | None = None
@@ -260,7 +287,7 @@ class TeiEmbedRequest(msgspec.Struct, frozen=True):
     """TEI ``EmbedRequest`` (``POST /embed``; what LlamaIndex's ``TextEmbeddingsInference`` and Haystack
     send) → ``[[float]]``."""
 
-    inputs: str | list[str]
+    inputs: Text | Texts
     normalize: bool = True
     truncate: bool | None = None
     truncation_direction: str = "right"
@@ -273,7 +300,7 @@ class TeiEmbedAllRequest(msgspec.Struct, frozen=True):
     """TEI ``EmbedAllRequest`` (``POST /embed_all``) → ``[[[float]]]``: per input, one vector per token
     (special tokens included, padding never)."""
 
-    inputs: str | list[str]
+    inputs: Text | Texts
     truncate: bool | None = None
     truncation_direction: str = "right"
     prompt_name: str | None = None
@@ -284,7 +311,7 @@ class TeiEmbedSparseRequest(msgspec.Struct, frozen=True):
     """TEI ``EmbedSparseRequest`` (``POST /embed_sparse``) → ``[[SparseValue]]``: per input, its
     non-zero weights over the vocabulary."""
 
-    inputs: str | list[str]
+    inputs: Text | Texts
     truncate: bool | None = None
     truncation_direction: str = "right"
     prompt_name: str | None = None
@@ -299,8 +326,8 @@ class SparseValue(msgspec.Struct, frozen=True):
 
 
 class SimilarityInput(msgspec.Struct, frozen=True):
-    source_sentence: str
-    sentences: list[str]
+    source_sentence: Text
+    sentences: Texts
 
 
 class SimilarityParameters(msgspec.Struct, frozen=True):
@@ -321,7 +348,7 @@ class SimilarityRequest(msgspec.Struct, frozen=True):
 class DecodeRequest(msgspec.Struct, frozen=True):
     """TEI ``DecodeRequest`` (``POST /decode``): ``ids`` one sequence or a batch → ``[str]``."""
 
-    ids: list[int | list[int]]  # msgspec unions hold one array type: the route checks homogeneity
+    ids: NonEmpty[TokenId | TokenIds]  # msgspec unions hold one array type: the route checks homogeneity
     skip_special_tokens: bool = True
     model: str | None = None
 
@@ -329,7 +356,7 @@ class DecodeRequest(msgspec.Struct, frozen=True):
 class TokenizeRequest(msgspec.Struct, frozen=True):
     """TEI ``TokenizeRequest`` (``POST /tokenize``) → ``[[SimpleToken]]``."""
 
-    inputs: str | list[str]
+    inputs: Text | Texts
     add_special_tokens: bool = True
     model: str | None = None
 
@@ -351,6 +378,14 @@ class ClassifierModelType(msgspec.Struct, frozen=True):
     label2id: dict[str, int]
 
 
+class ModelType(msgspec.Struct, frozen=True, omit_defaults=True):
+    """TEI ``ModelType``: exactly one of its three fields, the model's kind."""
+
+    classifier: ClassifierModelType | None = None
+    embedding: EmbeddingModelType | None = None
+    reranker: ClassifierModelType | None = None
+
+
 class ServedTask(msgspec.Struct, frozen=True):
     id: str
     task: str
@@ -363,7 +398,7 @@ class TeiInfo(msgspec.Struct, frozen=True):
     model_id: str
     model_sha: str | None
     model_dtype: str
-    model_type: dict[str, EmbeddingModelType | ClassifierModelType]
+    model_type: ModelType
     max_concurrent_requests: int
     max_input_length: int
     max_batch_tokens: int

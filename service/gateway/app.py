@@ -14,6 +14,7 @@ import itertools
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import structlog
 from aiohttp import web
@@ -30,10 +31,19 @@ from ..errors import (
 )
 from ..logs import get_logger
 from ..metrics import Metrics
-from ..schemas import ModelCard, ModelList
+from ..schemas import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    PhaseName,
+    Readiness,
+)
 from ..settings import Settings
-from . import classify, embed_v2, rerank, sparse, tei, tei_meta
+from . import classify, docs, embed_v2, openapi, rerank, sparse, tei, tei_meta
 from .auth import KEYS, KeyRing, authenticate
+from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
 from .models import MODELS, ModelRegistry
@@ -105,8 +115,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:
     if exc.status == 404:
         return RouteNotFound(f"No route {request.method} {request.path}.")
-    if exc.status == 405:
-        return MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(
+            f"Method {request.method} is not allowed on {request.path}.", allowed=exc.allowed_methods
+        )
     if exc.status == 413:
         limit = request.app[SETTINGS].max_body_bytes
         return PayloadTooLarge(f"The request body exceeds this server's limit of {limit} bytes.")
@@ -117,26 +129,26 @@ def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:
 
 async def health(request: web.Request) -> web.Response:
     """Liveness: the event loop answers. Cheap on purpose."""
-    return json_response({"status": "ok"})
+    return json_response(Health())
 
 
 async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 once every model is loaded and warmed; 503 while starting, draining or failed."""
     life = request.app[LIFECYCLE]
     if life.phase is Phase.READY:
-        return json_response({"status": "ready", "models": request.app[MODELS].names()})
-    body: dict[str, object] = {"status": life.phase.value}
-    if life.error:
-        body["error"] = life.error
-    return json_response(body, status=503)
+        return json_response(Readiness(status="ready", models=request.app[MODELS].names()))
+    phase = cast(PhaseName, life.phase.value)
+    return json_response(Readiness(status=phase, error=life.error or None), status=503)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
+    """Every metric in Prometheus' text format: queue, batches, latency, cache, per model and route."""
     request.app[BACKEND].record()
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The served models, as OpenAI lists its own (``created``: when this process started)."""
     created = int(time.time() - (time.monotonic() - request.app[LIFECYCLE].started))
     cards = [ModelCard(id=name, created=created) for name in request.app[MODELS].names()]
     return json_response(ModelList(data=cards))
@@ -161,19 +173,28 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     else:
         app[BACKEND] = LocalBackend(settings, metrics, registry, runner_factory or default_factory(settings))
     app.cleanup_ctx.append(_models)
-    add_route(app, "POST", "/v1/embeddings", create_embeddings)
-    add_route(app, "POST", "/embeddings", create_embeddings)
-    add_route(app, "GET", "/v1/models", list_models)
-    add_route(app, "GET", "/models", list_models)
-    add_route(app, "GET", "/health", health)
-    add_route(app, "GET", "/ready", ready)
-    add_route(app, "GET", "/metrics", metrics_route)
+    embeddings = Doc("Create embeddings (OpenAI)", "OpenAI", EmbeddingResponse, EmbeddingRequest,
+                     fails=(*MODEL_ROUTE, *TOKEN_IDS), queued=True)
+    add_route(app, "POST", "/v1/embeddings", create_embeddings, doc=embeddings)
+    add_route(app, "POST", "/embeddings", create_embeddings, doc=embeddings)
+    models = Doc("List the served models (OpenAI)", "OpenAI", ModelList)
+    add_route(app, "GET", "/v1/models", list_models, doc=models)
+    add_route(app, "GET", "/models", list_models, doc=models)
+    add_route(app, "GET", "/health", health, doc=Doc("Liveness", "Service", Health))
+    add_route(app, "GET", "/ready", ready, doc=Doc(
+        "Readiness", "Service", Readiness, answers=((503, Readiness, "Starting, draining or failed."),)
+    ))
+    add_route(app, "GET", "/metrics", metrics_route, doc=Doc(
+        "Prometheus metrics", "Service", Text("Prometheus' text exposition format.", ("text/plain",))
+    ))
     classify.add_routes(app)  # /classify (OpenAI's errors), /predict (TEI's)
     rerank.add_routes(app)  # /rerank (TEI's or Cohere's errors, by shape), /v1/rerank, /v2/rerank (Cohere's)
     embed_v2.add_routes(app)  # /v2/embed (Cohere's errors)
     sparse.add_routes(app)  # /embed_sparse (TEI's errors)
     tei.add_routes(app)  # /embed, /embed_all, /similarity, / (TEI's errors)
     tei_meta.add_routes(app)  # /info, /tokenize, /decode (TEI's errors)
+    docs.add_routes(app)  # /docs and its assets
+    openapi.publish(app)  # /openapi.json, built from every route above: keep it last
     return app
 
 

@@ -1,7 +1,8 @@
 """Who is asking: API keys and the tenant each one names.
 
 With ``--api-keys-file``, every model route needs ``Authorization: Bearer KEY`` and the key decides the
-tenant (and its weight); without it, ``X-Tenant`` names the tenant (see ``admission``).
+tenant (and its weight); without it, ``X-Tenant`` names the tenant (see ``admission``). The probes, the
+metrics and the API's own documentation (``/openapi.json``, ``/docs`` and its assets) stay open.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from ..errors import Unauthorized
 from .state import METRICS, Handler
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
+_OPEN_PREFIX = "/docs/"
+
+
+def is_open(path: str) -> bool:
+    """Whether ``path`` is served without an API key."""
+    return path in OPEN_PATHS or path.startswith(_OPEN_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +86,7 @@ def _digest(key: str) -> bytes:
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With keys configured, model routes need a valid bearer key; the key's tenant is recorded."""
     keys = request.app[KEYS]
-    if keys is None or request.path in OPEN_PATHS:
+    if keys is None or is_open(request.path):
         return await handler(request)
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     key = keys.find(presented.strip()) if scheme.lower() == "bearer" and presented.strip() else None

@@ -23,6 +23,7 @@ from ..dialects import Dialect
 from ..errors import InvalidRequest
 from ..schemas import ClassifyRequest, ClassifyResponse, Prediction, PredictRequest, Usage, decode
 from .admission import Admission, admission
+from .contract import MODEL_ROUTE, TOKEN_IDS, Doc
 from .embeddings import encode_inputs
 from .facade import ServedModel
 from .inputs import checked_items, encode_pairs, encode_texts, truncating
@@ -214,6 +215,11 @@ async def predict(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     """Register the classification routes and the zero-shot label cache on ``app``."""
     app[LABELS] = LabelCache(LABEL_CACHE_SIZE)
-    add_route(app, "POST", "/classify", classify)
-    add_route(app, "POST", "/v1/classify", classify)
-    add_route(app, "POST", "/predict", predict, Dialect.TEI)
+    doc = Doc("Classify texts, or zero-shot against labels (Infinity)", "Classification", ClassifyResponse,
+              ClassifyRequest, fails=(*MODEL_ROUTE, *TOKEN_IDS), queued=True)
+    add_route(app, "POST", "/classify", classify, doc=doc)
+    add_route(app, "POST", "/v1/classify", classify, doc=doc)
+    add_route(app, "POST", "/predict", predict, Dialect.TEI, doc=Doc(
+        "Classify texts or pairs (TEI)", "TEI", (list[Prediction], list[list[Prediction]]), PredictRequest,
+        fails=MODEL_ROUTE, queued=True,
+    ))

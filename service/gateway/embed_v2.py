@@ -30,6 +30,7 @@ from ..schemas import (
     decode,
 )
 from .admission import admission
+from .contract import MODEL_ROUTE, Doc
 from .inputs import check_dimensions, checked_items, encode_texts
 from .models import pick_model
 from .quantize import CALIBRATED, EMBEDDING_TYPES, base64_rows, quantize
@@ -117,4 +118,7 @@ async def embed_v2(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     """Register ``/v2/embed`` (Cohere's dialect) on ``app``."""
-    add_route(app, "POST", "/v2/embed", embed_v2, Dialect.COHERE)
+    add_route(app, "POST", "/v2/embed", embed_v2, Dialect.COHERE, doc=Doc(
+        "Embed texts in compact types (Cohere v2)", "Cohere", EmbedV2Response, EmbedV2Request,
+        fails=MODEL_ROUTE, queued=True,
+    ))

@@ -45,6 +45,7 @@ from ..schemas import (
     decode,
 )
 from .admission import Admission, admission
+from .contract import MODEL_ROUTE, Doc
 from .inputs import checked_items, encode_pairs, truncating
 from .models import pick_model
 from .responses import activate, respond
@@ -212,6 +213,16 @@ async def rerank_v2(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     """Register the rerank routes on ``app``. ``/rerank`` is TEI's until its body says Cohere's."""
-    add_route(app, "POST", "/rerank", rerank, Dialect.TEI)
-    add_route(app, "POST", "/v1/rerank", rerank_v1, Dialect.COHERE)
-    add_route(app, "POST", "/v2/rerank", rerank_v2, Dialect.COHERE)
+    either = (list[TeiRank], RerankResponse)  # TEI's answer to ``texts``, Cohere's to ``documents``
+    add_route(app, "POST", "/rerank", rerank, Dialect.TEI, doc=Doc(
+        "Rerank documents (TEI's or Cohere's v1 shape)", "Reranking", either, RerankRequest,
+        fails=MODEL_ROUTE, queued=True, speaks=(Dialect.COHERE,),
+    ))
+    add_route(app, "POST", "/v1/rerank", rerank_v1, Dialect.COHERE, doc=Doc(
+        "Rerank documents (Cohere's v1, Jina's and vLLM's shape)", "Reranking", either, RerankRequest,
+        fails=MODEL_ROUTE, queued=True, speaks=(Dialect.TEI,),
+    ))
+    add_route(app, "POST", "/v2/rerank", rerank_v2, Dialect.COHERE, doc=Doc(
+        "Rerank documents (Cohere v2)", "Cohere", RerankV2Response, RerankV2Request, fails=MODEL_ROUTE,
+        queued=True,
+    ))

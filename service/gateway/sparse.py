@@ -15,6 +15,7 @@ from coalesce.kernels.protocol import Task
 from ..dialects import Dialect
 from ..schemas import SparseValue, TeiEmbedSparseRequest, decode
 from .admission import admission
+from .contract import MODEL_ROUTE, Doc
 from .inputs import checked_items, encode_texts, truncating
 from .models import pick_model
 from .responses import respond
@@ -30,7 +31,8 @@ def nonzero(row: np.ndarray) -> list[SparseValue]:
 
 
 async def embed_sparse(request: web.Request) -> web.Response:
-    """``POST /embed_sparse``."""
+    """``POST /embed_sparse``: per input, the non-zero vocabulary weights of a SPLADE model, in index
+    order."""
     adm = admission(request)
     req = decode(await request.read(), TeiEmbedSparseRequest)
     model = pick_model(request, req.model, (Task.SPARSE,), "/embed_sparse")
@@ -45,4 +47,7 @@ async def embed_sparse(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     """Register ``/embed_sparse`` (TEI's dialect) on ``app``."""
-    add_route(app, "POST", "/embed_sparse", embed_sparse, Dialect.TEI)
+    add_route(app, "POST", "/embed_sparse", embed_sparse, Dialect.TEI, doc=Doc(
+        "Sparse embeddings (TEI)", "TEI", list[list[SparseValue]], TeiEmbedSparseRequest, fails=MODEL_ROUTE,
+        queued=True,
+    ))

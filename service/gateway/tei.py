@@ -21,14 +21,20 @@ from coalesce.kernels.protocol import OutputKind, Task
 from ..dialects import Dialect
 from ..errors import InvalidRequest
 from ..schemas import (
+    Prediction,
+    PredictRequest,
+    RerankRequest,
+    RerankResponse,
     SimilarityParameters,
     SimilarityRequest,
     TeiEmbedAllRequest,
     TeiEmbedRequest,
+    TeiRank,
     decode,
 )
 from . import classify, rerank
 from .admission import admission
+from .contract import MODEL_ROUTE, Doc
 from .embeddings import vector
 from .inputs import (
     check_dimensions,
@@ -168,7 +174,21 @@ async def root(request: web.Request) -> web.StreamResponse:
 
 def add_routes(app: web.Application) -> None:
     """Register the TEI embedding routes on ``app``."""
-    add_route(app, "POST", "/embed", embed, Dialect.TEI)
-    add_route(app, "POST", "/embed_all", embed_all, Dialect.TEI)
-    add_route(app, "POST", "/similarity", similarity, Dialect.TEI)
-    add_route(app, "POST", "/", root, Dialect.TEI)
+    add_route(app, "POST", "/embed", embed, Dialect.TEI, doc=Doc(
+        "Embed texts (TEI)", "TEI", list[list[float]], TeiEmbedRequest, fails=MODEL_ROUTE, queued=True,
+    ))
+    add_route(app, "POST", "/embed_all", embed_all, Dialect.TEI, doc=Doc(
+        "Every token's embedding (TEI)", "TEI", list[list[list[float]]], TeiEmbedAllRequest,
+        fails=MODEL_ROUTE, queued=True,
+    ))
+    add_route(app, "POST", "/similarity", similarity, Dialect.TEI, doc=Doc(
+        "Sentence similarity (TEI)", "TEI", list[float], SimilarityRequest, fails=MODEL_ROUTE, queued=True,
+    ))
+    # The first model's task decides: a body and an answer of any of its routes' shapes.
+    add_route(app, "POST", "/", root, Dialect.TEI, doc=Doc(
+        "The first model's route (TEI)", "TEI",
+        (list[list[float]], list[float], list[Prediction], list[list[Prediction]], list[TeiRank],
+         RerankResponse),
+        (TeiEmbedRequest, SimilarityRequest, PredictRequest, RerankRequest),
+        fails=MODEL_ROUTE, queued=True, speaks=(Dialect.COHERE,),
+    ))

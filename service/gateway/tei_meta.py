@@ -19,12 +19,14 @@ from ..schemas import (
     ClassifierModelType,
     DecodeRequest,
     EmbeddingModelType,
+    ModelType,
     ServedTask,
     SimpleToken,
     TeiInfo,
     TokenizeRequest,
     decode,
 )
+from .contract import MODEL, MODEL_ROUTE, TOKEN_IDS, Doc
 from .facade import TOKENIZER_THREADS, ServedModel
 from .inputs import checked_items
 from .models import MODELS, pick_model
@@ -42,17 +44,17 @@ def _version() -> str:
         return "unknown"
 
 
-def _model_type(served: ServedModel) -> dict[str, EmbeddingModelType | ClassifierModelType]:
+def _model_type(served: ServedModel) -> ModelType:
     info = served.info
     if info.task is Task.EMBED:
-        return {"embedding": EmbeddingModelType(pooling="sentence-transformers")}
+        return ModelType(embedding=EmbeddingModelType(pooling="sentence-transformers"))
     if info.task is Task.SPARSE:
-        return {"embedding": EmbeddingModelType(pooling="splade")}  # how TEI describes a SPLADE model
+        return ModelType(embedding=EmbeddingModelType(pooling="splade"))  # how TEI describes a SPLADE model
     labels = ClassifierModelType(
         id2label={str(i): label for i, label in enumerate(info.labels)},
         label2id={label: i for i, label in enumerate(info.labels)},
     )
-    return {"classifier" if info.task is Task.CLASSIFY else "reranker": labels}
+    return ModelType(classifier=labels) if info.task is Task.CLASSIFY else ModelType(reranker=labels)
 
 
 async def info(request: web.Request) -> web.Response:
@@ -144,6 +146,13 @@ async def decode_ids(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     """Register ``/info``, ``/tokenize`` and ``/decode`` on ``app``."""
-    add_route(app, "GET", "/info", info, Dialect.TEI)
-    add_route(app, "POST", "/tokenize", tokenize, Dialect.TEI)
-    add_route(app, "POST", "/decode", decode_ids, Dialect.TEI)
+    add_route(app, "GET", "/info", info, Dialect.TEI, doc=Doc(
+        "Describe a model (TEI)", "TEI", TeiInfo, fails=MODEL,
+        query=(("model", "The model to describe (default: the first served)."),),
+    ))
+    add_route(app, "POST", "/tokenize", tokenize, Dialect.TEI, doc=Doc(
+        "Tokenize texts (TEI)", "TEI", list[list[SimpleToken]], TokenizeRequest, fails=MODEL_ROUTE,
+    ))
+    add_route(app, "POST", "/decode", decode_ids, Dialect.TEI, doc=Doc(
+        "Decode token ids (TEI)", "TEI", list[str], DecodeRequest, fails=(*MODEL_ROUTE, *TOKEN_IDS),
+    ))

@@ -70,3 +70,10 @@ def test_openai_body_keeps_type_param_and_code() -> None:
 def test_every_dialect_keeps_retry_after(dialect: Dialect) -> None:
     for err in (Overloaded("full", retry_after=2.2), Unavailable("draining", retry_after=1, code="draining")):
         assert render(err, dialect).headers["Retry-After"] == err.headers()["Retry-After"]
+
+
+@pytest.mark.parametrize("dialect", list(Dialect))
+def test_a_405_names_the_allowed_methods_in_every_dialect(dialect: Dialect) -> None:
+    rendered = render(MethodNotAllowed("DELETE /embed", allowed=["POST", "GET", "POST"]), dialect)
+    assert rendered.status == 405
+    assert rendered.headers == {"Allow": "GET, POST", "x-error-code": "method_not_allowed"}
