@@ -16,7 +16,9 @@ MODEL = "all-MiniLM-L6-v2"
 
 
 def _metric(text: str, name: str) -> float:
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith((name + "{", name + " ")))
+    return sum(
+        float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith((name + "{", name + " "))
+    )
 
 
 async def _embed(url: str, body: dict[str, Any]) -> tuple[np.ndarray, int]:
