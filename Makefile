@@ -8,7 +8,7 @@ PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.coalesce-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint fuzz bench gpu-check gpu-bundle clean
+.PHONY: install serve test lint fuzz bench soak gpu-check gpu-bundle clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ fuzz: $(STAMP)
 # Regenerates BENCHMARKS.md's CPU tables (run on an otherwise idle machine): make bench ARGS="--only foundation"
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m coalesce.loadtests.bench $(ARGS)
+
+# Ten minutes alternating half and twice the measured capacity (not in CI; run on an idle machine):
+# BENCHMARKS.md's soak section. A short smoke run: make soak ARGS="--soak-minutes 1 --file /tmp/b.md"
+soak: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m coalesce.loadtests.bench --only soak $(ARGS)
 
 # The one-call GPU check (CUDA machine): correctness, latency table, capture cost, service throughput.
 gpu-check: $(STAMP)

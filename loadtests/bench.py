@@ -14,7 +14,10 @@ markers are created when missing, and text outside the markers is kept):
 * ``engine``: ``--workers 2``'s engine and gateway CPU per request, and coalescing across gateways;
 * ``onnx``: the ONNX Runtime backend against torch: cold start, latency, throughput, idle (``bench_onnx``);
 * ``features``: the result cache on a replay with repeats, and binary/int8 retrieval recall;
-* ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity.
+* ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity;
+* ``soak`` (only when named, ``make soak``): ``--soak-minutes`` of open-loop load alternating half and
+  twice the measured capacity; every request answered, p99 within target, memory and descriptors
+  steady (``bench_soak``).
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -36,6 +39,7 @@ SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
     "features", "fairness",
 )
+EXTRA_SECTIONS = ("soak",)  # run only when named in --only: too long for every `make bench`
 
 
 def machine() -> str:
@@ -108,7 +112,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}"
+        "--only", default=",".join(SECTIONS),
+        help=f"comma-separated sections of {', '.join(SECTIONS + EXTRA_SECTIONS)} (default: all but "
+        f"{', '.join(EXTRA_SECTIONS)})",
     )
     p.add_argument("--file", type=Path, default=Path("BENCHMARKS.md"), help="the markdown file to update")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="raw results and server logs")
@@ -119,9 +125,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--serve-cmd", default=None, help="command that starts Coalesce (default: this env's coalesce)"
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--soak-minutes", type=float, default=10.0, help="length of the soak section's load")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = set(args.sections) - set(SECTIONS)
+    unknown = set(args.sections) - set(SECTIONS + EXTRA_SECTIONS)
     if unknown:
         p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     return args
@@ -130,7 +137,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from coalesce.loadtests import bench_engine, bench_fairness, bench_features, bench_onnx, bench_sections
+    from coalesce.loadtests import (
+        bench_engine, bench_fairness, bench_features, bench_onnx, bench_sections, bench_soak,
+    )
 
     runners: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
         "foundation": bench_sections.foundation,
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "onnx": bench_onnx.onnx,
         "features": bench_features.features,
         "fairness": bench_fairness.fairness,
+        "soak": bench_soak.soak,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

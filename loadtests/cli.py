@@ -42,6 +42,16 @@ def default_out() -> Path:
     return Path("bench-out") / ("loadtest-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        rates = ()
+    if not rates or any(r < 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative rates, got {text!r}")
+    return rates
+
+
 def add_scenario_args(p: argparse.ArgumentParser) -> None:
     """Options that define the offered load; shared by loadtest, compare and plan's calibration."""
     d = Scenario()
@@ -54,7 +64,8 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         help="open: Poisson arrivals at --rate (latency from scheduled send time); closed: "
         "--concurrency clients back to back (hides queueing, like wrk/hey); burst: --rate for "
         "--burst-on s then --burst-base-rate for --burst-off s; ramp: open-loop steps up from "
-        "--rate until --p99-ms breaks; replay: a recorded --trace",
+        "--rate until --p99-ms breaks; replay: a recorded --trace; alternate: Poisson at each of "
+        "--rates in turn for --step-duration s, for --duration s, one result per phase (soaks)",
     )
     g.add_argument("--rate", type=float, default=d.rate, help="requests/s (open, burst on-rate, ramp start)")
     g.add_argument("--concurrency", type=int, default=d.concurrency, help="clients in closed loop")
@@ -73,7 +84,11 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ramp-step", type=float, default=None, help="rate added per ramp step (default: --rate)")
     g.add_argument("--max-rate", type=float, default=d.max_rate, help="highest ramp rate")
     g.add_argument(
-        "--step-duration", type=float, default=d.step_duration, help="measured seconds per ramp step"
+        "--step-duration", type=float, default=d.step_duration,
+        help="measured seconds per ramp step or alternate phase",
+    )
+    g.add_argument(
+        "--rates", type=_rates, default=d.rates, help="alternate: comma-separated requests/s, e.g. 20,80"
     )
     g.add_argument("--p99-ms", type=float, default=None, help="p99 target: stops a ramp, marks the SLO")
     g.add_argument(
@@ -128,6 +143,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     scenario = Scenario(**fields)
     if scenario.mode is Mode.REPLAY and not scenario.trace:
         raise SystemExit("error: --mode replay needs --trace FILE")
+    if scenario.mode is Mode.ALTERNATE and not scenario.rates:
+        raise SystemExit("error: --mode alternate needs --rates R1,R2,...")
     if scenario.mode is Mode.RAMP and scenario.p99_ms is None:
         raise SystemExit("error: --mode ramp needs --p99-ms (the target that ends the ramp)")
     return scenario

@@ -55,6 +55,7 @@ class Recorder:
     n_inputs: list[int] = field(default_factory=list)
     queue_ms: list[float] = field(default_factory=list)  # x-queue-time header, NaN if absent
     infer_ms: list[float] = field(default_factory=list)
+    retry_after: list[bool] = field(default_factory=list)  # the answer carried Retry-After
     dispatched: int = 0
     failed: int = 0
 
@@ -67,6 +68,7 @@ class Recorder:
         n_inputs: int,
         queue_ms: float,
         infer_ms: float,
+        retry_after: bool = False,
     ) -> None:
         self.sched.append(sched)
         self.started.append(started)
@@ -75,6 +77,7 @@ class Recorder:
         self.n_inputs.append(n_inputs)
         self.queue_ms.append(queue_ms)
         self.infer_ms.append(infer_ms)
+        self.retry_after.append(retry_after)
         if status != 200:
             self.failed += 1
 
@@ -98,25 +101,27 @@ class Client:
         self._url = url
         self._slots = asyncio.Semaphore(max_inflight)
 
-    async def send(self, payload: Payload) -> tuple[int, float, float]:
-        """Status, queue and inference milliseconds (NaN when the server does not say)."""
+    async def send(self, payload: Payload) -> tuple[int, float, float, bool]:
+        """Status, queue and inference milliseconds (NaN when the server does not say), and whether the
+        answer carried ``Retry-After``."""
         try:
             async with self._session.post(self._url, data=payload.body, headers=_JSON) as resp:
                 body = await resp.read()
                 status = resp.status
                 queue_ms = _header_ms(resp.headers, "x-queue-time")
                 infer_ms = _header_ms(resp.headers, "x-inference-time")
+                retry_after = "Retry-After" in resp.headers
         except TimeoutError:
-            return STATUS_TIMEOUT, math.nan, math.nan
+            return STATUS_TIMEOUT, math.nan, math.nan, False
         except aiohttp.ClientError:
-            return STATUS_CONNECTION, math.nan, math.nan
+            return STATUS_CONNECTION, math.nan, math.nan, False
         if status == 200:
             try:
                 if len(_response_decoder.decode(body).data) != payload.n_inputs:
                     status = STATUS_BAD_RESPONSE
             except msgspec.DecodeError:
                 status = STATUS_BAD_RESPONSE
-        return status, queue_ms, infer_ms
+        return status, queue_ms, infer_ms, retry_after
 
     async def timed(self, payload: Payload, due: float, t0: float, rec: Recorder) -> None:
         """Send once a pool slot is free and record it against ``due`` (an absolute loop time).
@@ -127,8 +132,9 @@ class Client:
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with self._slots:
-            status, queue_ms, infer_ms = await self.send(payload)
-        rec.add(due - t0, started - t0, loop.time() - t0, status, payload.n_inputs, queue_ms, infer_ms)
+            status, queue_ms, infer_ms, retry_after = await self.send(payload)
+        rec.add(due - t0, started - t0, loop.time() - t0, status, payload.n_inputs, queue_ms, infer_ms,
+                retry_after)
 
 
 async def run_open(

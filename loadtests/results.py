@@ -94,6 +94,7 @@ class StepResult(msgspec.Struct):
     cost: Cost | None = None
     timeline: Timeline | None = None
     note: str = ""
+    refusals_without_retry_after: int = 0  # 429s and 503s that did not say when to retry
 
 
 class GeneratorStats(msgspec.Struct):

@@ -44,6 +44,7 @@ class Mode(StrEnum):
     BURST = "burst"  # Poisson at --rate for --burst-on s, then --burst-base-rate for --burst-off s
     RAMP = "ramp"  # open-loop steps from --rate up by --ramp-step until the p99 target breaks
     REPLAY = "replay"  # arrivals and lengths from a JSONL trace
+    ALTERNATE = "alternate"  # Poisson at each of --rates in turn, --step-duration s each, one step per phase
 
 
 class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -60,6 +61,7 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ramp_step: float | None = None  # default: the starting rate
     max_rate: float = 10_000.0
     step_duration: float = 10.0
+    rates: tuple[float, ...] = ()  # alternate: the phases' rates, cycled
     p99_ms: float | None = None
     max_error_rate: float = 0.01
     trace: str | None = None
@@ -132,6 +134,7 @@ def summarize_step(
     start, end = window
     idx = [i for i, t in enumerate(rec.sched) if start <= t < end]
     ok_idx = [i for i in idx if rec.status[i] == 200]
+    bare_refusals = sum(1 for i in idx if rec.status[i] in (429, 503) and not rec.retry_after[i])
     by_status = Counter(engine.status_name(rec.status[i]) for i in idx)
     last_done = max((rec.done[i] for i in idx), default=end)
     span = max(last_done, end) - start
@@ -164,6 +167,7 @@ def summarize_step(
         header_inference_ms=header_mean(rec.infer_ms),
         batch=batch,
         cost=cost(cost_per_hour, achieved, achieved_inputs) if cost_per_hour is not None else None,
+        refusals_without_retry_after=bare_refusals,
         timeline=timeline(
             [rec.sched[i] for i in idx],
             [rec.done[i] - rec.sched[i] for i in idx],
@@ -268,6 +272,16 @@ class Runner:
             arrivals = schedule.trace_arrivals(self._trace, s.speed)
             end = (arrivals[-1] if arrivals else 0.0) + 1e-6
             return [await self._step(client, side, payloads, label or "replay", arrivals, max(end, s.warmup))]
+        if s.mode is Mode.ALTERNATE:
+            phases = schedule.alternating_windows(s.rates, s.step_duration, s.duration)
+            arrivals = schedule.poisson_arrivals(s.rates[0], s.warmup, rng) + schedule.alternating_arrivals(
+                s.rates, s.step_duration, s.duration, rng, start=s.warmup
+            )
+            windows = [
+                (f"{label or 'phase'} {i + 1} {rate:g}/s", (s.warmup + a, s.warmup + b), rate)
+                for i, (a, b, rate) in enumerate(phases)
+            ]
+            return await self._drive(client, side, payloads, label or "alternate", arrivals, total, windows)
         if s.p99_ms is None:
             raise ValueError("a ramp needs a p99 target (--p99-ms) to know when to stop")
         steps = []
@@ -296,12 +310,33 @@ class Runner:
         rate: float | None = None,
     ) -> StepResult:
         """One measured step: ``arrivals`` (open loop) or closed-loop clients, for ``total`` seconds."""
+        window = (self.s.warmup, total)
+        if arrivals is not None and rate is None:
+            if self.s.mode is Mode.OPEN:
+                rate = self.s.rate
+            else:  # bursts and traces: the mean offered rate over the window
+                rate = sum(1 for t in arrivals if window[0] <= t < window[1]) / max(1e-9, total - window[0])
+        return (await self._drive(client, side, payloads, label, arrivals, total, [(label, window, rate)]))[0]
+
+    async def _drive(
+        self,
+        client: engine.Client,
+        side: aiohttp.ClientSession,
+        payloads: Callable[[int], Payload],
+        label: str,
+        arrivals: list[float] | None,
+        total: float,
+        windows: list[tuple[str, tuple[float, float], float | None]],
+    ) -> list[StepResult]:
+        """Offer one continuous load for ``total`` seconds and summarise each of ``windows`` (label,
+        (start, end) offsets, offered rate; consecutive), the server's metrics scraped at each start and
+        once the load is over."""
         s = self.s
         loop = asyncio.get_running_loop()
         rec = engine.Recorder()
         t0 = loop.time() + 0.05
         murl = metrics_url_for(self.target.url) if self.target.metrics_url == "" else self.target.metrics_url
-        before = asyncio.create_task(self._scrape_at(side, murl, t0 + s.warmup))
+        scrapes = [asyncio.create_task(self._scrape_at(side, murl, t0 + w[1][0])) for w in windows]
         elapsed = self._elapsed
 
         def offered(i: int) -> Payload:
@@ -315,27 +350,24 @@ class Runner:
             else:
                 await engine.run_open(client, arrivals, offered, rec, t0)
         self._elapsed += loop.time() - t0
-        snap_before = await before
-        snap_after = await promtext.scrape(side, murl) if murl else None
-        batch = None
-        if snap_before is not None and snap_after is not None:
-            batch = promtext.batch_stats(promtext.delta(snap_before, snap_after), self.model)
-        window = (s.warmup, total)
-        if arrivals is not None and rate is None:
-            if s.mode is Mode.OPEN:
-                rate = s.rate
-            else:  # bursts and traces: the mean offered rate over the window
-                rate = sum(1 for t in arrivals if window[0] <= t < window[1]) / max(1e-9, total - s.warmup)
-        return summarize_step(
-            rec,
-            label=label,
-            mode=str(s.mode),
-            window=window,
-            offered_rps=rate,
-            concurrency=s.concurrency if arrivals is None else None,
-            batch=batch,
-            cost_per_hour=s.cost_per_hour,
-        )
+        snaps = [await task for task in scrapes]
+        snaps.append(await promtext.scrape(side, murl) if murl else None)
+        steps = []
+        for (name, window, rate), before, after in zip(windows, snaps, snaps[1:], strict=False):
+            batch = None
+            if before is not None and after is not None:
+                batch = promtext.batch_stats(promtext.delta(before, after), self.model)
+            steps.append(summarize_step(
+                rec,
+                label=name,
+                mode=str(s.mode),
+                window=window,
+                offered_rps=rate,
+                concurrency=s.concurrency if arrivals is None else None,
+                batch=batch,
+                cost_per_hour=s.cost_per_hour,
+            ))
+        return steps
 
     @staticmethod
     async def _scrape_at(

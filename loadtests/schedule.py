@@ -69,3 +69,30 @@ def trace_arrivals(entries: Sequence[TraceEntry], speed: float = 1.0) -> list[fl
         return []
     t0 = entries[0].t
     return [(e.t - t0) / speed for e in entries]
+
+
+def alternating_windows(
+    rates: Sequence[float], step_s: float, duration: float
+) -> list[tuple[float, float, float]]:
+    """The phases of an alternating schedule as ``(start, end, rate)``: ``rates`` in turn, each for
+    ``step_s`` seconds, cycled until ``duration`` (the last phase cut short if need be)."""
+    if not rates or any(r < 0 for r in rates) or step_s <= 0 or duration <= 0:
+        raise ValueError("an alternating schedule needs rates >= 0, a positive step and a positive duration")
+    windows = []
+    t, i = 0.0, 0
+    while t < duration - 1e-9:
+        end = min(t + step_s, duration)
+        windows.append((t, end, rates[i % len(rates)]))
+        t, i = end, i + 1
+    return windows
+
+
+def alternating_arrivals(
+    rates: Sequence[float], step_s: float, duration: float, rng: random.Random, start: float = 0.0
+) -> list[float]:
+    """Open-loop arrivals of :func:`alternating_windows`, offset by ``start``: Poisson at each phase's
+    rate, one phase after the other with no gap, so a backlog left by a high phase runs into the next."""
+    arrivals: list[float] = []
+    for t0, t1, rate in alternating_windows(rates, step_s, duration):
+        arrivals += poisson_arrivals(rate, t1 - t0, rng, start=start + t0)
+    return arrivals

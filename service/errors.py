@@ -77,6 +77,22 @@ class PayloadTooLarge(CoalesceError):
     default_code = "payload_too_large"
 
 
+class RequestTimeout(CoalesceError):
+    """The client took too long to send its request head or body; the connection is closed after."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class HeadersTooLarge(CoalesceError):
+    """The request line, a header field, or the number of fields is over the server's limits."""
+
+    status = 431
+    type = "invalid_request_error"
+    default_code = "headers_too_large"
+
+
 class RetryableError(CoalesceError):
     """An error the caller should retry after ``retry_after`` seconds."""
 

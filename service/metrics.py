@@ -167,6 +167,17 @@ class Metrics:
             registry=r,
         )
         self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+        # Connections (gateway/guard.py): what hostile or broken clients cost, and what they were told.
+        self.open_connections = Gauge(
+            "coalesce_open_connections", "Client connections open now (those refused over the cap excluded).",
+            multiprocess_mode="livesum", registry=r,
+        )
+        self.connections_refused = Counter(
+            "coalesce_connections_refused_total",
+            "Connections and requests cut off before reaching a route, by reason: over_capacity, "
+            "header_timeout, body_timeout, headers_too_large, malformed.",
+            ["reason"], registry=r,
+        )
         # CUDA graphs (graph runner only): a snapshot of the runner's capture statistics at each scrape.
         self.graph_capture_seconds = Gauge(
             "coalesce_graph_capture_seconds", "Time spent capturing CUDA graphs (start-up and lazy).",

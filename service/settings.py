@@ -242,6 +242,44 @@ class Settings:
         "Largest request body accepted (413 beyond). The default fits 2048 long inputs.",
         default=16 * 1024 * 1024,
     )
+    max_connections: int = _knob(
+        "Most open client connections per process (each of --workers counts its own). A connection past "
+        "it is answered at once, 503 with Retry-After and closed (GET /health, the liveness probe, gets "
+        "200: a full process is busy, not dead), so clients and load balancers go elsewhere instead of "
+        "waiting in the kernel's queue. Higher admits more idle keep-alive clients at a few KiB of memory "
+        "and one file descriptor each; lowered at start-up to fit the file-descriptor limit.",
+        default=10000,
+    )
+    keepalive_timeout_s: float = _knob(
+        "Seconds an idle connection is kept open waiting for its next request (also the most a new "
+        "connection may wait before sending a whole request head). Keep it above your load balancer's "
+        "idle timeout (60 s on common ones) so the balancer closes first and never reuses a connection "
+        "we are closing; lower frees idle clients' descriptors and memory sooner.",
+        default=75.0,
+    )
+    header_timeout_s: float = _knob(
+        "Seconds a request head (request line and headers) may take from its first byte; a client "
+        "that trickles it (slowloris) is answered 408 and closed. Longer tolerates very slow links; "
+        "shorter frees connections held by slow or stalled clients sooner.",
+        default=10.0,
+    )
+    body_timeout_s: float = _knob(
+        "Seconds the whole request body may take to arrive once the head is in; a slower or stalled "
+        "sender is answered 408 and closed. The default lets a full --max-body-bytes body through at "
+        "~0.6 MB/s; longer tolerates slower links, shorter frees connections held by slow senders sooner.",
+        default=30.0,
+    )
+    max_header_bytes: int = _knob(
+        "Longest request line, and longest header field (name and value), in bytes; longer is answered "
+        "431. The default (aiohttp's, as most servers') fits bearer tokens and cookies; raise it for very "
+        "large tokens, at the cost of memory a connection can hold before it is refused.",
+        default=8190,
+    )
+    max_headers: int = _knob(
+        "Most header fields in one request; more is answered 431. Bounds, with --max-header-bytes, what "
+        "one request head can hold in memory.",
+        default=128,
+    )
     truncate: bool = _knob(
         "Truncate inputs longer than the model's maximum (the default, like OpenAI clients expect). "
         "--no-truncate answers 400 naming the input instead.",
@@ -411,7 +449,8 @@ def build(argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) ->
 
 def _validate(s: Settings) -> None:
     problems = []
-    for name in ("max_batch_size", "max_batch_tokens", "max_queued_tokens", "max_inputs", "max_body_bytes"):
+    for name in ("max_batch_size", "max_batch_tokens", "max_queued_tokens", "max_inputs", "max_body_bytes",
+                 "max_connections", "max_header_bytes", "max_headers"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be at least 1")
     if s.cache_mb < 0:
@@ -436,6 +475,8 @@ def _validate(s: Settings) -> None:
         problems.append("max_wait_ms must be >= 0")
     if s.tenant_max_queued_tokens < 0:
         problems.append("tenant_max_queued_tokens must be >= 0")
+    if min(s.keepalive_timeout_s, s.header_timeout_s, s.body_timeout_s) <= 0:
+        problems.append("keepalive_timeout_s, header_timeout_s and body_timeout_s must be > 0")
     if s.shutdown_grace_s < 0 or s.drain_timeout_s < 0:
         problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
     if not 0 <= s.pipeline_depth <= 4:

@@ -63,12 +63,15 @@ class ServerThread:
 
     def _run(self) -> None:
         from aiohttp import web
+        from coalesce.service.gateway.guard import GuardedSite, handler_kwargs
 
         asyncio.set_event_loop(self._loop)
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True, shutdown_timeout=2)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=2, **handler_kwargs(self.settings)
+        )
         self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        self._loop.run_until_complete(site.start())
+        self.site = GuardedSite(self._runner, "127.0.0.1", self.port)  # as `serve` listens
+        self._loop.run_until_complete(self.site.start())
         self._started.set()
         self._loop.run_forever()
         self._loop.run_until_complete(self._runner.cleanup())

@@ -3,8 +3,10 @@
 Middlewares (outermost first): ``observe`` binds the request id, counts in-flight requests and records
 metrics and the per-request log line; ``errors`` turns every failure into the error shape of the dialect
 its route speaks (``routing``: OpenAI's, TEI's or Cohere's), rendered by ``dialects.render``, the one
-mapping in the service. Models load in the background (see ``models.load_models``) so the
-listener answers ``/health`` at once.
+mapping in the service; ``authenticate`` checks API keys; ``read_body`` (``guard``) reads the body
+within its deadline and size limit. Connection-level limits (head deadline, connection cap, 431) live
+in ``guard.GuardedSite``, which ``server.serve`` listens with. Models load in the background (see
+``models.load_models``) so the listener answers ``/health`` at once.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..errors import (
     CoalesceError,
     InvalidRequest,
     MethodNotAllowed,
-    PayloadTooLarge,
+    RequestTimeout,
     RouteNotFound,
 )
 from ..logs import get_logger
@@ -46,6 +48,7 @@ from .auth import KEYS, KeyRing, authenticate
 from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
+from .guard import body_too_large, read_body
 from .models import MODELS, ModelRegistry
 from .remote import RemoteBackend
 from .responses import json_response
@@ -98,7 +101,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except CoalesceError as err:
         if err.status >= 500:
             log.warning("request_failed", status=err.status, code=err.code, error=err.message)
-        return error_response(err, dialect_of(request))
+        resp = error_response(err, dialect_of(request))
+        if isinstance(err, RequestTimeout):
+            resp.force_close()  # the rest of a late body will not be read: the connection ends here
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -120,8 +126,7 @@ def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:
             f"Method {request.method} is not allowed on {request.path}.", allowed=exc.allowed_methods
         )
     if exc.status == 413:
-        limit = request.app[SETTINGS].max_body_bytes
-        return PayloadTooLarge(f"The request body exceeds this server's limit of {limit} bytes.")
+        return body_too_large(request.app[SETTINGS].max_body_bytes)
     err = InvalidRequest(exc.reason or "Bad request.", code=f"http_{exc.status}")
     err.status = exc.status
     return err
@@ -159,7 +164,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     gateways in front of the engine process. ``runner_factory`` replaces model loading (tests)."""
     metrics = Metrics()
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate]
+        client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate, read_body]
     )
     registry = ModelRegistry()
     life = Lifecycle(metrics)

@@ -8,6 +8,9 @@ process exits 0.
 A process whose models cannot be served exits 1 so the platform restarts it: at once when they never
 loaded; when a gateway loses its engine, it keeps answering 503 (``engine_unavailable``) until the
 supervisor, which has seen the engine die, stops it.
+
+The listener is a ``guard.GuardedSite``: head and body deadlines, the connection cap and the
+file-descriptor limit apply here, in one process and in each ``--workers`` gateway alike.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..logs import get_logger
 from ..settings import Settings
 from .app import create_app, drain
 from .facade import BACKEND
+from .guard import GuardedSite, handler_kwargs
 from .state import LIFECYCLE, Phase
 
 log = get_logger("coalesce.server")
@@ -34,7 +38,7 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
 
     ``runner_factory`` replaces model loading (the gateway benchmark serves a null model)."""
     app = create_app(settings, runner_factory)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, **handler_kwargs(settings))
     await runner.setup()  # starts loading the models
     life = app[LIFECYCLE]
     stop = asyncio.Event()
@@ -51,10 +55,9 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
         readying.cancel()
     listening = not (stopping.done() or failing.done())
     if listening:
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=2048, reuse_address=True,
-                           reuse_port=settings.reuse_port or None)
+        site = GuardedSite(runner, settings.host, settings.port, backlog=2048, reuse_port=settings.reuse_port)
         await site.start()
-        log.info("listening", host=settings.host, port=settings.port)
+        log.info("listening", host=settings.host, port=settings.port, max_connections=site.connections.cap)
         await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
     if failing.done():
         if life.ready.is_set():

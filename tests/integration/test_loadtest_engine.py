@@ -10,8 +10,9 @@ import asyncio
 import math
 
 from aiohttp import web
+from coalesce.loadtests.engine import Recorder
 from coalesce.loadtests.results import RunResult
-from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target
+from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target, summarize_step
 from coalesce.loadtests.stub import StubConfig, serve
 from coalesce.loadtests.workload import Mix
 
@@ -94,6 +95,27 @@ async def test_server_metrics_are_scraped_for_the_window() -> None:
     assert step.mean_inputs_per_request == 16
     assert step.cost is not None and step.cost.per_1m_embeddings is not None
     assert step.header_queue_ms is not None
+
+
+async def test_an_alternating_run_reports_each_phase_at_its_rate() -> None:
+    result = await _run(
+        StubConfig(service_ms=2.0),
+        Scenario(mode=Mode.ALTERNATE, rates=(20, 80), step_duration=0.5, duration=2.0, warmup=0.2),
+    )
+    assert [s.offered_rps for s in result.steps] == [20, 80, 20, 80]
+    assert [s.requests for s in result.steps] == [10, 40, 10, 40]
+    assert all(s.ok == s.requests for s in result.steps)
+    assert all(s.batch is not None for s in result.steps)  # metrics scraped at each phase boundary
+
+
+def test_refusals_without_retry_after_are_counted() -> None:
+    rec = Recorder()
+    for i, (status, retry_after) in enumerate([(200, False), (429, True), (503, False), (429, False)]):
+        t = i / 10
+        rec.add(t, t, t + 0.01, status, 1, math.nan, math.nan, retry_after)
+    step = summarize_step(rec, label="x", mode="open", window=(0.0, 1.0), offered_rps=4.0, concurrency=None)
+    assert step.by_status == {"200": 1, "429": 2, "503": 1}
+    assert step.refusals_without_retry_after == 2
 
 
 async def test_ramp_stops_at_the_first_rate_that_breaks_the_target() -> None:

@@ -46,6 +46,22 @@ def test_bursts_put_the_load_in_the_on_phases() -> None:
     assert len(on) == 300 and len(off) == 30
 
 
+def test_alternating_phases_cycle_the_rates_and_cut_the_last_one_short() -> None:
+    assert schedule.alternating_windows([10, 40], 2.0, 7.0) == [
+        (0.0, 2.0, 10), (2.0, 4.0, 40), (4.0, 6.0, 10), (6.0, 7.0, 40)
+    ]
+    with pytest.raises(ValueError):
+        schedule.alternating_windows([], 1.0, 5.0)
+
+
+def test_alternating_arrivals_hold_each_phases_rate_without_gaps() -> None:
+    arrivals = schedule.alternating_arrivals([50, 200], 3.0, 12.0, random.Random(3), start=1.0)
+    assert arrivals == sorted(arrivals)
+    counts = [sum(1 for t in arrivals if a + 1.0 <= t < b + 1.0)
+              for a, b, _ in schedule.alternating_windows([50, 200], 3.0, 12.0)]
+    assert counts == [150, 600, 150, 600]
+
+
 def test_ramp_rates_step_up_to_the_maximum() -> None:
     assert schedule.ramp_rates(10, 10, 50) == [10, 20, 30, 40, 50]
     assert schedule.ramp_rates(0.2 * 55, 0.1 * 55, 1.3 * 55)[-1] == pytest.approx(71.5)

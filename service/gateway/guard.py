@@ -1,0 +1,381 @@
+"""Hostile and broken clients: the limits aiohttp's server does not set by itself, in one place.
+
+aiohttp's own limits, only configured here (:func:`handler_kwargs`; ``client_max_size`` in ``create_app``):
+
+* ``keepalive_timeout`` (``--keepalive-timeout-s``) closes a connection idle between requests. Its timer
+  runs from the accept or the last response and bytes do not reset it, so it also bounds a connection
+  that never completes a request head;
+* ``max_line_size``, ``max_field_size`` (``--max-header-bytes``) and ``max_headers`` (``--max-headers``):
+  the parser refuses a head past them instead of buffering it;
+* ``client_max_size`` (``--max-body-bytes``): ``request.read()`` stops at the limit (413), so a body is
+  never held past it, and a body nobody reads pauses the socket after ``read_bufsize`` (64 KiB);
+* ``lingering_time``: after answering a request whose body was left unread, read and drop the rest for
+  :data:`LINGER_S` before closing, so the client reads the answer rather than a reset.
+
+What aiohttp lacks, added here:
+
+* **a head deadline**, from a request's first byte (``--header-timeout-s``): the keep-alive timer is the
+  only bound on a trickled head, and it must be long for proxies (75 s), for all that time a slowloris
+  client holds a connection and a parser buffer. Such a client is answered 408 and closed.
+* **a body deadline** (``--body-timeout-s``, the :func:`read_body` middleware): aiohttp waits for body
+  bytes forever. Answered 408. A Content-Length over ``--max-body-bytes`` is answered 413 at once.
+* **431 with a body, and no reset**: aiohttp answers a head over its limits with a text/plain 400, logs
+  a traceback per request (a hostile client could fill the log) and closes at once, so a client still
+  sending its head gets a reset instead of the answer. Here: 431 (400 for other malformed heads) in
+  OpenAI's error shape, logged at debug, then a *lingering close*: half-close, drop what the client
+  still sends until it closes or :data:`LINGER_S` passes, then close.
+* **a connection cap** (``--max-connections``): aiohttp accepts whatever the kernel hands it until the
+  process runs out of file descriptors; then uvloop (libuv) accepts and closes each new connection at
+  once, a reset with no answer, until descriptors free up. Past the cap a connection is answered at
+  its first bytes with 503 and ``Retry-After`` (``GET /health`` alone gets 200: a full process is busy,
+  not dead, and a restart would not help), then closed gently. An answer rather than not accepting: a
+  connection left in the kernel's backlog looks like a hang to its client and to a load balancer, while
+  503 with Retry-After is what the ``openai`` client and balancers retry elsewhere.
+* **the descriptor limit**: :class:`GuardedSite` raises the soft ``RLIMIT_NOFILE`` to the hard one when
+  it starts, and :func:`connection_cap` lowers the cap to keep a reserve for the process's own files and
+  sockets and for refusals in flight.
+
+Everything here runs on the event loop's thread; nothing is shared with another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from http import HTTPStatus
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+
+from ..dialects import Dialect, render
+from ..errors import (
+    CoalesceError,
+    HeadersTooLarge,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unavailable,
+)
+from ..logs import get_logger
+from ..metrics import Metrics
+from ..schemas import encoder
+from ..settings import Settings
+from .state import METRICS, SETTINGS, Handler
+
+log = get_logger("coalesce.guard")
+
+# After an answer that ends a connection: how long to drop what the client still sends before closing.
+LINGER_S = 2.0
+# Descriptors kept out of the connection cap: the process's own files and sockets, and refusals in flight.
+FD_RESERVE = 1024
+_LIVENESS = b"GET /health "
+
+
+def handler_kwargs(settings: Settings) -> dict[str, Any]:
+    """aiohttp's per-connection limits for ``settings``: for ``AppRunner(**...)`` and each connection."""
+    return {
+        "access_log": None,
+        "keepalive_timeout": settings.keepalive_timeout_s,
+        "max_line_size": settings.max_header_bytes,
+        "max_field_size": settings.max_header_bytes,
+        "max_headers": settings.max_headers,
+        "lingering_time": LINGER_S,
+    }
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:  # e.g. above the kernel's nr_open: keep what we have
+            log.warning("fd_limit_not_raised", soft=soft, hard=hard, error=str(exc))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(wanted: int, fd_limit: int) -> int:
+    """``wanted`` lowered to fit ``fd_limit``, keeping a quarter of it (at most ``FD_RESERVE``) spare."""
+    reserve = min(FD_RESERVE, fd_limit // 4)
+    return max(1, min(wanted, fd_limit - reserve))
+
+
+def _raw_response(err: CoalesceError | None, ok_body: object = None) -> bytes:
+    """A whole HTTP/1.1 response that ends its connection: ``err`` in OpenAI's shape, or 200 ``ok_body``."""
+    status, headers, body = 200, {}, ok_body
+    if err is not None:
+        rendered = render(err, Dialect.OPENAI)
+        status, headers, body = rendered.status, rendered.headers, rendered.body
+    payload = encoder.encode(body)
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload
+
+
+def _linger(transport: asyncio.Transport) -> asyncio.TimerHandle:
+    """Half-close ``transport`` once what was written has gone, and close it when the client closes its
+    side (the protocol's ``eof_received`` returns None) or ``LINGER_S`` passes. Until then the protocol
+    drops what arrives: a client still sending reads its answer instead of a reset."""
+    if transport.can_write_eof():
+        transport.write_eof()
+    return asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+
+class Connections:
+    """One process's open connections against its cap, and the count of what was cut off and why."""
+
+    def __init__(self, cap: int, metrics: Metrics) -> None:
+        self.cap = cap
+        self.open = 0
+        self._metrics = metrics
+        self._at_cap = False
+
+    @property
+    def full(self) -> bool:
+        return self.open >= self.cap
+
+    def opened(self) -> None:
+        self.open += 1
+        self._metrics.open_connections.inc()
+
+    def closed(self) -> None:
+        self.open -= 1
+        self._metrics.open_connections.dec()
+        if self._at_cap and self.open < 0.9 * self.cap:
+            self._at_cap = False
+            log.info("connection_cap_cleared", open=self.open, cap=self.cap)
+
+    def refused(self, reason: str) -> None:
+        self._metrics.connections_refused.labels(reason).inc()
+        if reason == "over_capacity" and not self._at_cap:
+            self._at_cap = True  # logged once per episode, not once per connection
+            log.warning("connection_cap_reached", cap=self.cap)
+
+
+class _GuardedHandler(RequestHandler):
+    """aiohttp's connection handler with a head deadline, 431 for oversized heads, and a lingering close
+    after a refused head."""
+
+    def __init__(
+        self, manager: web.Server, *, connections: Connections, header_timeout: float, timed_out: bytes,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(manager, loop=asyncio.get_running_loop(), **kwargs)
+        self._connections = connections
+        self._header_timeout = header_timeout
+        self._timed_out = timed_out  # the 408 answer, rendered once per site
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._awaiting_head = True  # the next bytes start a request head
+        self._refused_head = False  # a bad head was answered: close gently after the answer
+        self._linger_timer: asyncio.TimerHandle | None = None  # set once closing: input is dropped
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._connections.opened()
+        self._counted = True
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        if self._counted:
+            self._counted = False
+            self._connections.closed()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # a head is complete (or refused): its deadline is met
+            self._awaiting_head = False
+            self._stop_head_timer()
+        elif self._awaiting_head and self._head_timer is None:
+            # The first bytes of a head. (The rest of a head pipelined behind a running request is left
+            # to the keep-alive timer, which counts from that request's response.)
+            self._head_timer = self._loop.call_later(self._header_timeout, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        # Idle waiting for a message = the head is still incomplete (aiohttp's keep-alive check, too).
+        if self._waiter is None or self._waiter.done() or self.transport is None:
+            return
+        self._connections.refused("header_timeout")
+        log.debug("head_timed_out", peer=str(self.peername), seconds=self._header_timeout)
+        self._close_gently(self._timed_out)
+
+    def _close_gently(self, answer: bytes) -> None:
+        transport = cast(asyncio.Transport | None, self.transport)
+        if transport is None or transport.is_closing():
+            return
+        transport.write(answer)
+        self.transport = None  # aiohttp's loop no longer closes it at once: the linger timer does
+        self._linger_timer = _linger(transport)
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status != 400 or not isinstance(exc, BadHttpMessage):
+            return super().handle_error(request, status, exc, message)
+        err: CoalesceError
+        if isinstance(exc, LineTooLong) or "Too many headers" in exc.message:
+            reason = "headers_too_large"
+            err = HeadersTooLarge(
+                f"The request line or a header field is longer than {self.max_field_size} bytes, or the "
+                f"request has more than {self.max_headers} header fields."
+            )
+        else:
+            reason = "malformed"
+            what = exc.message.splitlines()[0].rstrip(": ")[:100]  # not the client's bytes it quotes
+            err = InvalidRequest(f"Malformed HTTP request: {what}.", code="malformed_request")
+        self._connections.refused(reason)
+        log.debug("head_refused", reason=reason, peer=str(self.peername), error=exc.message[:200])
+        self._refused_head = True
+        rendered = render(err, Dialect.OPENAI)
+        resp = web.Response(
+            body=encoder.encode(rendered.body), status=rendered.status, content_type="application/json",
+            headers=rendered.headers,
+        )
+        resp.force_close()
+        return resp
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        result = await super().finish_response(request, resp, start_time)
+        self._awaiting_head = True
+        self._stop_head_timer()
+        if self._refused_head:
+            self._close_gently(b"")
+        return result
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection past the cap: answered at its first bytes (or after ``LINGER_S`` of silence), then
+    closed gently. ``GET /health`` gets 200, anything else 503 with Retry-After."""
+
+    def __init__(self, busy: bytes, alive: bytes) -> None:
+        self._busy, self._alive = busy, alive
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._answered = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, self._answer, b"")
+
+    def data_received(self, data: bytes) -> None:
+        if not self._answered:
+            self._answer(data)
+
+    def eof_received(self) -> None:
+        if not self._answered:
+            self._answer(b"")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport = None
+
+    def _answer(self, head: bytes) -> None:
+        self._answered = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._transport.write(self._alive if head.startswith(_LIVENESS) else self._busy)
+        self._timer = _linger(self._transport)
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP listener for an ``AppRunner`` whose connections get the guarded handler, or, past the cap,
+    a refusal. Used by ``serve`` in one process and in each ``--workers`` gateway alike."""
+
+    def __init__(
+        self, runner: web.AppRunner, host: str, port: int, *, backlog: int = 2048, reuse_port: bool = False
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._app = runner.app
+        self._host, self._port, self._reuse_port = host, port, reuse_port
+        settings = self._app[SETTINGS]
+        self._header_timeout = settings.header_timeout_s
+        self._kwargs = handler_kwargs(settings)
+        self._timed_out = _raw_response(
+            RequestTimeout(f"The request head did not arrive within {settings.header_timeout_s:g} s.")
+        )
+        self._busy = _raw_response(
+            Unavailable("This server has as many connections as it takes; retry shortly.", retry_after=1,
+                        code="too_many_connections")
+        )
+        self._alive = _raw_response(None, {"status": "ok"})
+        self.connections = Connections(settings.max_connections, self._app[METRICS])
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        wanted = self._app[SETTINGS].max_connections
+        fd_limit = raise_fd_limit()
+        self.connections.cap = connection_cap(wanted, fd_limit)
+        if self.connections.cap < wanted:
+            log.warning("max_connections_lowered", wanted=wanted, cap=self.connections.cap, fd_limit=fd_limit)
+        self._server = await asyncio.get_running_loop().create_server(
+            self._accept, self._host, self._port, backlog=self._backlog, reuse_address=True,
+            reuse_port=self._reuse_port or None,
+        )
+
+    def _accept(self) -> asyncio.Protocol:
+        if self.connections.full:
+            self.connections.refused("over_capacity")
+            return _Refusal(self._busy, self._alive)
+        server = self._runner.server
+        assert server is not None  # BaseSite refuses a runner that is not set up
+        return _GuardedHandler(
+            server, connections=self.connections, header_timeout=self._header_timeout,
+            timed_out=self._timed_out, **self._kwargs,
+        )
+
+
+def body_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body exceeds this server's limit of {limit} bytes.")
+
+
+@web.middleware
+async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Read a request's body before its route does, within ``--body-timeout-s``; a declared length over
+    ``--max-body-bytes`` is refused unread. A route's own ``request.read()`` then returns the buffer."""
+    if request.body_exists:
+        settings = request.app[SETTINGS]
+        if (request.content_length or 0) > settings.max_body_bytes:
+            raise body_too_large(settings.max_body_bytes)
+        try:
+            async with asyncio.timeout(settings.body_timeout_s):
+                await request.read()
+        except TimeoutError:
+            request.app[METRICS].connections_refused.labels("body_timeout").inc()
+            raise RequestTimeout(
+                f"The request body did not arrive within {settings.body_timeout_s:g} s."
+            ) from None
+    return await handler(request)

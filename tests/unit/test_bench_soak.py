@@ -1,0 +1,41 @@
+"""The soak section's pure parts: what it samples from /proc, and that it runs only when named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from coalesce.loadtests import bench
+from coalesce.loadtests.bench_soak import Sampler, settled_fds, tree, usage
+
+
+def test_a_process_tree_and_its_memory_and_descriptors_are_read_from_proc() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in tree(os.getpid())
+        rss, fds = usage(os.getpid())
+        alone_rss, alone_fds = usage(child.pid)
+        assert rss > alone_rss > 1 << 20 and fds > alone_fds >= 3
+        with open(os.devnull) as extra:
+            assert extra.fileno() > 0 and usage(os.getpid())[1] >= fds + 1
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_the_sampler_records_until_stopped_and_descriptors_settle() -> None:
+    with Sampler(os.getpid(), every=0.05) as sampler:
+        time.sleep(0.3)
+    n = len(sampler.samples)
+    assert n >= 3 and sampler.at(0.1)[0] >= 0.1 and sampler.at(1e9) == sampler.samples[-1]
+    time.sleep(0.2)
+    assert len(sampler.samples) == n
+    assert settled_fds(os.getpid(), at_most=10**6, timeout=2) == usage(os.getpid())[1]
+
+
+def test_the_soak_runs_only_when_named() -> None:
+    assert "soak" not in bench.parse_args([]).sections
+    args = bench.parse_args(["--only", "soak", "--soak-minutes", "1"])
+    assert args.sections == ["soak"] and args.soak_minutes == 1.0
