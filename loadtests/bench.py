@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     from coalesce.loadtests import (
-        bench_engine, bench_fairness, bench_features, bench_onnx, bench_sections, bench_soak,
+        bench_engine,
+        bench_fairness,
+        bench_features,
+        bench_onnx,
+        bench_sections,
+        bench_soak,
     )
 
     runners: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {

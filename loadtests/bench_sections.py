@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import shlex
@@ -28,7 +29,15 @@ def _spec(args: argparse.Namespace, name: str, flags: Sequence[str] = ()) -> ser
     return servers.coalesce_spec(name, list(flags), command)
 
 
+# Each run of a section sends texts of its own: the generator's stream is fresh within a run, but two runs
+# with one seed send the same texts, and a server's result cache would answer the second from memory.
+_SEEDS = itertools.count(1000)
+
+
 def _run(url: str, scenario: Scenario, label: str, out: Path) -> StepResult:
+    """One load run, on a text stream no earlier run of this process sent (the scenario's seed is replaced;
+    a ``repeat`` share it asks for repeats within the run)."""
+    scenario = replace(scenario, seed=next(_SEEDS))
     result: RunResult = run_async(Runner(Target(url), scenario).run(label))
     write_outputs(result, out / label.replace(" ", "_"), plots=False)
     return result.steps[0]

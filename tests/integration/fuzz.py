@@ -27,6 +27,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..conftest import free_port
 from .tiny_models import classifier_dir, reranker_dir, splade_dir
@@ -124,6 +125,59 @@ def fuzz(max_examples: int, seed: int = SEED, extra: Sequence[str] = (), timeout
                               text=True, timeout=timeout_s, check=False, env=schemathesis_env())
 
 
+def bench_block(report: dict[str, Any], tally: dict[str, int], max_examples: int, api_keys: bool) -> str:
+    """BENCHMARKS.md's fuzz table from schemathesis's JSON run report and the hooks' deadline tally."""
+    ops = report.get("operations") or {}
+    cases = report.get("test_cases") or {}
+    failures = report.get("failures") or []
+    server = sum(f["count"] for f in failures if f["code"] == "ST101")
+    other = [f for f in failures if f["code"] != "ST101"]
+    errors = sum(e["count"] for e in report.get("errors") or [])
+    skipped = ", ".join(f"{k}: {v}" for k, v in (ops.get("skip_reasons") or {}).items())
+    covered = ops.get("tested", 0) + ops.get("skipped", 0) == ops.get("total", -1) and not ops.get("errored")
+    deadlines = ", ".join(f"{n} × {kind}" for kind, n in sorted(tally.items())) or "none"
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    rows = [
+        ("operations (route × method) tested", "every one in /openapi.json",
+         f"{ops.get('tested', 0)} of {ops.get('total', 0)}" + (f" (skipped: {skipped})" if skipped else ""),
+         met(covered)),
+        ("test cases generated", f"≤ {max_examples} per operation and phase",
+         f"{cases.get('generated', 0):,}", ""),
+        ("5xx answers", "0", f"{server}", met(server == 0)),
+        ("other contract failures (status, headers, body shape, accepted invalid input)", "0",
+         "; ".join(f"{f['title']} × {f['count']} ({', '.join(f['operations'][:3])})" for f in other) or "0",
+         met(not other)),
+        ("test cases the fuzzer could not run (errors)", "0", f"{errors}", met(errors == 0)),
+        ("documented 503/504 deadline answers to its own `X-Request-Timeout` (not failures)", "—",
+         deadlines, ""),
+    ]
+    table = "| figure | target | measured | |\n|---|---|---|---|\n" + "".join(
+        f"| {' | '.join(r)} |\n" for r in rows)
+    keys = " with `--api-keys-file` (and schemathesis's `ignored_auth` check)" if api_keys else ""
+    return (
+        f"schemathesis {report.get('schemathesis_version', '?')} against `coalesce serve`{keys} on loopback "
+        f"(the packaged MiniLM, a tiny classifier, reranker and SPLADE model), seed {report.get('seed')}, "
+        f"checks `{CHECKS}`{', ignored_auth' if api_keys else ''}; {report.get('running_time', 0):.0f} s, "
+        f"stopped: {report.get('stop_reason')}, exit code {report.get('exit_code')}.\n\n" + table
+    )
+
+
+def write_bench(path: Path, block_body: str, api_keys: bool, argv: Sequence[str]) -> None:
+    """Replace the ``fuzz`` (or ``fuzz-keys``) section of ``path`` (a BENCHMARKS.md) with this run."""
+    from coalesce.loadtests.bench import machine, update_section
+
+    name = "fuzz-keys" if api_keys else "fuzz"
+    today = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    title = "Fuzzing: schemathesis, every route" + (" (API keys on)" if api_keys else "")
+    block = (f"### {title}\n\nMeasured {today} on {machine()}.\n"
+             f"Command: `make fuzz ARGS=\"{' '.join(argv)}\"`\n\n{block_body}\n")
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    path.write_text(update_section(text, name, block), encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--max-examples", type=int, default=500, help="test cases per operation and phase")
@@ -131,7 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-keys", action="store_true",
                         help="serve with --api-keys-file: fuzz with a key, and check that routes refuse "
                         "requests without one (schemathesis's ignored_auth)")
+    parser.add_argument("--bench-file", type=Path, default=None,
+                        help="write the run's figures to this markdown file's fuzz section (BENCHMARKS.md)")
     parser.add_argument("extra", nargs="*", help="more schemathesis options (after --)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="coalesce-fuzz-") as tmp, contextlib.ExitStack() as stack:
         keys_file, extra, checks = None, list(args.extra), CHECKS
@@ -140,10 +197,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             keys_file.write_text(f"{FUZZ_KEY} fuzz\n")
             extra += ["-H", f"Authorization: Bearer {FUZZ_KEY}"]
             checks += ",ignored_auth"
+        env = schemathesis_env()
+        if args.bench_file:
+            extra += ["--report", "json", "--report-json-path", f"{tmp}/report.json"]
+            env["COALESCE_FUZZ_TALLY"] = f"{tmp}/tally.json"
         url = stack.enter_context(running_server(keys_file))
         command = schemathesis_command(url, args.max_examples, args.seed, extra, checks)
         print("$", " ".join(command), flush=True)
-        return subprocess.run(command, check=False, env=schemathesis_env()).returncode
+        code = subprocess.run(command, check=False, env=env).returncode
+        if args.bench_file:
+            report = json.loads(Path(f"{tmp}/report.json").read_text(encoding="utf-8"))
+            tally_file = Path(f"{tmp}/tally.json")
+            tally = json.loads(tally_file.read_text(encoding="utf-8")) if tally_file.exists() else {}
+            write_bench(args.bench_file, bench_block(report, tally, args.max_examples, args.api_keys),
+                        args.api_keys, argv)
+            print(f"Updated {args.bench_file}", flush=True)
+        return code
 
 
 if __name__ == "__main__":
