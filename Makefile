@@ -31,7 +31,8 @@ lint: $(STAMP)
 
 # schemathesis against a `coalesce serve` it starts on loopback (the packaged model and tiny classifier,
 # reranker and SPLADE models), every route of /openapi.json, fixed seed, 500 examples per route:
-# make fuzz ARGS="--max-examples 1000", ARGS="--api-keys" (keys on), ARGS="-- --report json" (schemathesis's)
+# make fuzz ARGS="--max-examples 1000", ARGS="--api-keys" (keys on), ARGS="-- --report json" (schemathesis's);
+# ARGS="--bench-file BENCHMARKS.md" writes the run's figures into BENCHMARKS.md's fuzz section
 fuzz: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m tests.integration.fuzz $(ARGS)
 

@@ -10,7 +10,9 @@
 # Stage `export` installs the whole project with a CPU torch and runs `coalesce export`, which checks
 # the graph against torch before writing it. The final stage installs the project with
 # `pip install --no-deps` plus the runtime list deploy/docker/onnx-runtime.txt, and copies the
-# exported directory: no torch, no transformers, no sentence-transformers in the image.
+# exported directory: no torch, no transformers, no sentence-transformers in the image. Nor the
+# `docs` extra (Swagger UI, 25 MB, a third of what the runtime adds): GET /openapi.json is served,
+# GET /docs answers 404 naming the extra; add swagger-ui-py to onnx-runtime.txt to serve it.
 
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 

@@ -449,10 +449,12 @@ def dockerfile_problems(path: Path, text: str | None = None) -> list[str]:
     installs = [
         i
         for i in instructions
-        if i.keyword == "RUN" and re.search(r"pip install (--?\S+ \S+ )*\.(\s|$)", i.args)
+        if i.keyword == "RUN" and re.search(r"pip install (--?\S+ \S+ )*(\.|\"\.\[[\w,]+\]\")(\s|$)", i.args)
     ]
     if not installs:
         problems.append("no `pip install .`: the project (and with it the packaged model) is not installed")
+    elif not any(re.search(r"\"\.\[[\w,]*docs", i.args) for i in installs):
+        problems.append("the project is installed without the docs extra: GET /docs would answer 404")
     if not bake:
         problems.append(
             f"no build step loads {PACKAGED_MODEL_MODULE} offline: the model is not checked at build"
