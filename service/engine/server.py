@@ -17,17 +17,15 @@ supervisor sends only after every gateway has drained and exited — finishes ad
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 from coalesce.kernels.protocol import OutputKind
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from ..batching.batcher import RequestResult
 from ..errors import CoalesceError, InferenceFailed, Unavailable
@@ -35,6 +33,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import Settings
 from . import messages as wire
+from .channel import Channel
 from .core import Engine, EngineModel, RunnerFactory, default_factory
 
 log = get_logger("coalesce.engine")
@@ -47,7 +46,7 @@ _CAPTURE_EVERY_S = 1.0
 class GatewayLink:
     """The engine's end of one gateway's socket: its jobs in flight and its outgoing replies."""
 
-    def __init__(self, index: int, ctx: zmq.asyncio.Context, address: str, engine: Engine,
+    def __init__(self, index: int, ctx: zmq.Context[Any], address: str, engine: Engine,
                  metrics: Metrics) -> None:
         self.index = index
         self._engine = engine
@@ -57,6 +56,8 @@ class GatewayLink:
             self._sock.setsockopt(option, value)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._sock.bind(address)
+        self._channel = Channel(self._sock, self._on_message, f"gateway-{index}")
+        self._events = Channel(self._monitor, self._on_event, f"gateway-{index}-monitor", copy=True)
         self._jobs: dict[int, asyncio.Future[RequestResult]] = {}
         self._offers: list[wire.ModelOffer] | None = None
         self._error: str | None = None
@@ -66,11 +67,10 @@ class GatewayLink:
         self._failed: list[wire.Failed] = []
         self._flushing = False
         self._captured_at = 0.0
-        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        self._channel.start()
+        self._events.start()
 
     def welcome(self, offers: list[wire.ModelOffer] | None, error: str | None = None) -> None:
         """The models are loaded (``offers``), or failed to (``error``): tell the gateway once it is here."""
@@ -82,26 +82,24 @@ class GatewayLink:
         self._send([wire.encoder.encode(wire.Welcome(self._offers or [], self._error))])
 
     # -- incoming ------------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            parts = await self._sock.recv_multipart(copy=False)
-            try:
-                msg = wire.engine_decoder.decode(parts[0].buffer)
-            except Exception as exc:
-                self._refuse(f"undecodable message: {exc}")
-                continue
-            if isinstance(msg, wire.Submit):
-                self._submit(msg, parts[1:])
-            elif isinstance(msg, wire.Cancel):
-                for job_id in msg.ids:
-                    fut = self._jobs.pop(job_id, None)
-                    if fut is not None:
-                        fut.cancel()  # its batcher drops the inputs still waiting
-            else:
-                self._greeted = True
-                log.info("gateway_connected", gateway=msg.gateway, pid=msg.pid)
-                if self._offers is not None or self._error is not None:
-                    self._send_welcome()
+    def _on_message(self, parts: list[zmq.Frame]) -> None:
+        try:
+            msg = wire.engine_decoder.decode(parts[0].buffer)
+        except Exception as exc:
+            self._refuse(f"undecodable message: {exc}")
+            return
+        if isinstance(msg, wire.Submit):
+            self._submit(msg, parts[1:])
+        elif isinstance(msg, wire.Cancel):
+            for job_id in msg.ids:
+                fut = self._jobs.pop(job_id, None)
+                if fut is not None:
+                    fut.cancel()  # its batcher drops the inputs still waiting
+        else:
+            self._greeted = True
+            log.info("gateway_connected", gateway=msg.gateway, pid=msg.pid)
+            if self._offers is not None or self._error is not None:
+                self._send_welcome()
 
     def _refuse(self, reason: str) -> None:
         log.warning("gateway_message_refused", gateway=self.index, reason=reason)
@@ -175,35 +173,23 @@ class GatewayLink:
             self._engine.record_capture()
 
     def _send(self, parts: list[Any]) -> None:
-        sent = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
-        sent.add_done_callback(_log_send_failure)
+        self._channel.send(parts)
 
     # -- the gateway's life --------------------------------------------------------------------------
-    async def _watch(self) -> None:
+    def _on_event(self, parts: list[bytes]) -> None:
         """A disconnect of this socket's peer means its gateway died: drop its queued work now."""
-        while True:
-            event = await recv_monitor_message(self._monitor)
-            if event["event"] != zmq.EVENT_DISCONNECTED:
-                continue
-            if self._jobs:
-                log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
-            jobs, self._jobs = self._jobs, {}
-            for fut in jobs.values():
-                fut.cancel()
+        if parse_monitor_message(parts)["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        if self._jobs:
+            log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
+        jobs, self._jobs = self._jobs, {}
+        for fut in jobs.values():
+            fut.cancel()
 
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def close(self) -> None:
         self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-
-
-def _log_send_failure(sent: asyncio.Future[object]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        log.error("gateway_send_failed", error=repr(sent.exception()))
+        self._events.close()
+        self._channel.close()
 
 
 async def serve_engine(settings: Settings, factory: RunnerFactory | None = None) -> int:
@@ -212,7 +198,7 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
         raise SystemExit("the engine needs --engine-dir (the supervisor of --workers sets it)")
     metrics = Metrics()
     engine = Engine(settings, metrics, factory or default_factory(settings))
-    ctx = zmq.asyncio.Context()
+    ctx: zmq.Context[Any] = zmq.Context()
     links = [GatewayLink(i, ctx, wire.endpoint(settings.engine_dir, i), engine, metrics)
              for i in range(settings.workers)]
     for link in links:
@@ -250,7 +236,7 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
     stopping.cancel()
     await engine.close()
     for link in links:
-        await link.close()
+        link.close()
     ctx.term()
     return code
 

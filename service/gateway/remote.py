@@ -11,22 +11,21 @@ request 503 and refuses new ones. Event loop only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 from coalesce.kernels.protocol import OutputKind
 from coalesce.kernels.tokens import TokenizerAdapter
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from ..batching.batcher import RequestResult
 from ..engine import messages as wire
+from ..engine.channel import Channel
 from ..errors import Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
@@ -47,11 +46,14 @@ class EngineClient:
     """Submit jobs to the engine and resolve their futures from its replies."""
 
     def __init__(self, endpoint: str, gateway: int, on_lost: Callable[[str], None]) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
             self._sock.setsockopt(option, value)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._channel = Channel(self._sock, self._on_message, "engine")
+        self._events = Channel(self._monitor, self._on_event, "engine-monitor", copy=True)
+        self._connected = False
         self._endpoint = endpoint
         self._gateway = gateway
         self._on_lost = on_lost
@@ -66,7 +68,6 @@ class EngineClient:
         self._lost: str | None = None
         self._closing = False
         self._welcome: asyncio.Future[wire.Welcome] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -74,9 +75,10 @@ class EngineClient:
         """Connect, introduce this gateway, and wait for the engine's models (it may still be loading)."""
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        self._channel.start()
+        self._events.start()
         self._sock.connect(self._endpoint)
-        await self._sock.send(wire.encoder.encode(wire.Hello(self._gateway, os.getpid())))
+        self._channel.send([wire.encoder.encode(wire.Hello(self._gateway, os.getpid()))])
         return await self._welcome
 
     # -- requests ------------------------------------------------------------------------------------
@@ -146,25 +148,22 @@ class EngineClient:
             self._cancels = []
 
     def _send(self, parts: list[bytes]) -> None:
-        sent = cast("asyncio.Future[object]", self._sock.send_multipart(parts, copy=False))
-        sent.add_done_callback(_log_send_failure)
+        self._channel.send(parts)
 
     # -- replies -------------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            parts = await self._sock.recv_multipart(copy=False)
-            try:
-                msg = wire.gateway_decoder.decode(parts[0].buffer)
-            except Exception as exc:  # the engine and this gateway disagree: loud, not fatal
-                log.error("engine_message_refused", error=str(exc))
-                continue
-            if isinstance(msg, wire.Results):
-                self._results(msg, parts[1:])
-            elif isinstance(msg, wire.Welcome):
-                if self._welcome is not None and not self._welcome.done():
-                    self._welcome.set_result(msg)
-            else:
-                log.error("engine_refused_a_message", reason=msg.reason)
+    def _on_message(self, parts: list[zmq.Frame]) -> None:
+        try:
+            msg = wire.gateway_decoder.decode(parts[0].buffer)
+        except Exception as exc:  # the engine and this gateway disagree: loud, not fatal
+            log.error("engine_message_refused", error=str(exc))
+            return
+        if isinstance(msg, wire.Results):
+            self._results(msg, parts[1:])
+        elif isinstance(msg, wire.Welcome):
+            if self._welcome is not None and not self._welcome.done():
+                self._welcome.set_result(msg)
+        else:
+            log.error("engine_refused_a_message", reason=msg.reason)
 
     def _results(self, msg: wire.Results, frames: Sequence[zmq.Frame]) -> None:
         self._queues, self._queues_at = msg.queues, time.monotonic()
@@ -179,16 +178,14 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_exception(wire.error_from(failed.error))
 
-    async def _watch(self) -> None:
+    def _on_event(self, parts: list[bytes]) -> None:
         """The engine's socket events: a disconnect after the connection means the engine is gone."""
-        connected = False
-        while True:
-            event = await recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_CONNECTED:
-                connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and connected and not self._closing:
-                self._lose("the engine process went away")
-                return
+        event = parse_monitor_message(parts)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            self._connected = True
+        elif (event == zmq.EVENT_DISCONNECTED and self._connected and not self._closing
+              and self._lost is None):
+            self._lose("the engine process went away")
 
     def _lose(self, reason: str) -> None:
         self._lost = reason
@@ -225,19 +222,10 @@ class EngineClient:
         for fut in list(self._waiting.values()):
             if not fut.done():
                 fut.set_exception(err)
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._events.close()
+        self._channel.close()
         self._ctx.term()
-
-
-def _log_send_failure(sent: asyncio.Future[object]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        log.error("engine_send_failed", error=repr(sent.exception()))
 
 
 class RemoteBackend:

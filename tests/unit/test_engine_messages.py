@@ -45,6 +45,17 @@ def test_a_broken_frame_is_refused_with_why(frame: np.ndarray, n: int, why: str)
         wire.unpack_job(_job(n, False), frame.tobytes(), INFO)
 
 
+@pytest.mark.parametrize("bad", [-1, 100])
+def test_a_large_job_is_checked_as_closely_as_a_small_one(bad: int) -> None:
+    seqs = [[1, *range(3, 16), 2] for _ in range(100)]  # 1,500 ids: past the size checked in Python
+    marked, frame = wire.pack_job(seqs)
+    assert wire.unpack_job(_job(100, marked), frame, INFO) == seqs
+    seqs[57][4] = bad
+    marked, frame = wire.pack_job(seqs)
+    with pytest.raises(wire.ProtocolError, match="outside the model's vocabulary"):
+        wire.unpack_job(_job(100, marked), frame, INFO)
+
+
 def test_a_mark_outside_its_sequence_is_refused() -> None:
     frame = np.array([2, -1, 5, 1, 2], dtype=np.int32)  # pool_start 5 in a 2-token sequence
     with pytest.raises(wire.ProtocolError, match="mark is outside"):
