@@ -208,12 +208,13 @@ class Settings:
         default=30000.0,
     )
     interactive_batch_ms: float = _knob(
-        "Bulk beside queries: while small requests (up to 4 inputs) keep arriving, a batch of a large "
-        "request is kept to about this many milliseconds of predicted compute, because a forward cannot "
-        "be interrupted and a query that arrives mid-batch waits for the rest of it. Shorter keeps "
+        "Bulk beside queries: a batch of a large request (over 4 inputs) is kept to about this many "
+        "milliseconds of predicted compute, because a forward cannot be interrupted and a small request "
+        "(a query) that arrives mid-batch waits for the rest of it; a query that fair order puts just "
+        "behind a bulk input goes first (for up to this much compute between bulk batches). Shorter keeps "
         "queries quick beside ingestion and costs bulk throughput where a forward's fixed cost is large "
-        "(CPU); 0 = off (bulk batches as large as the other limits allow). With no query in the last 5 "
-        "s, bulk runs at full size.",
+        "(on CPU little: a batch of 50 ms already amortises it; on a GPU the batch-size limit binds "
+        "first); 0 = off (bulk batches as large as the other limits allow, fair order unchanged).",
         default=50.0,
     )
     priority_ratio: float = _knob(

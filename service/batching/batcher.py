@@ -450,6 +450,9 @@ class Batcher:
             "batch",
             model=self.model,
             size=len(batch),
+            interactive=sum(not e.bulk for e in batch),  # inputs of requests of a few inputs (queries)
+            interactive_queue_ms=round(max(((start - e.arrival) * 1e3 for e in batch if not e.bulk),
+                                           default=0.0), 2),
             tokens=tokens,
             padded_tokens=padded,
             queue_ms=round((start - min(e.arrival for e in batch)) * 1e3, 2),

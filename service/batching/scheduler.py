@@ -73,16 +73,15 @@ class SchedulerConfig:
     # (1/21 at 4) and normal r/(r²+r+1). 1 = classes share equally (X-Priority then only breaks ties).
     priority_ratio: float = 4.0
     # A batch of a bulk request (more than INTERACTIVE_INPUTS inputs) is predicted to take at most this
-    # long while small requests are about (one came within INTERACTIVE_MEMORY_S): a forward cannot be
-    # interrupted, so a query that arrives mid-batch waits out what remains of it. Shorter keeps queries
-    # quick beside ingestion, at some bulk throughput where a forward's fixed cost is large (CPU);
-    # 0 = off (bulk batches as large as the other limits allow).
+    # long: a forward cannot be interrupted, so a query that arrives mid-batch waits out what remains of
+    # it, the first query after a quiet spell included. Shorter keeps queries quick beside ingestion, at
+    # some bulk throughput where a forward's fixed cost is large (CPU; on a GPU the batch-size limit
+    # binds first); 0 = off (bulk batches as large as the other limits allow).
     interactive_batch_s: float = 0.05
     pipeline_depth: int = 1
 
 
 INTERACTIVE_INPUTS = 4  # a request of at most this many inputs is a query, not ingestion
-INTERACTIVE_MEMORY_S = 5.0  # how long after the last query bulk batches stay short
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +114,9 @@ class Scheduler:
         self.padded_cost = padded_cost
         self.inflight = 0
         self.busy_until = 0.0  # predicted end of the work already handed to the model
-        self._query_at = -math.inf  # when the last small request (a query) arrived
         r = config.priority_ratio
         self._queue = FairQueue((r * r, r, 1.0))
+        self._promoted_s = 0.0  # predicted time of batches _query_first moved up since bulk anchored one
         self._deadlines: list[tuple[float, int, Entry]] = []  # heap of entries that have one
         self._seq = itertools.count()
 
@@ -212,8 +211,6 @@ class Scheduler:
         if (len(entries) if inputs is None else inputs) > INTERACTIVE_INPUTS:
             for e in entries:
                 e.bulk = True
-        elif entries:
-            self._query_at = entries[0].arrival
         self._queue.add(entries)
         for e in entries:
             if e.deadline is not None:
@@ -235,6 +232,7 @@ class Scheduler:
         kind = window[0].kind
         window = [e for e in window if e.kind == kind]
         start = max(now, self.busy_until)
+        promoted = False  # a query moved up ahead of the bulk input fair order serves next
         if cfg.strategy == "none":
             picked = [0]
         elif cfg.strategy == "fixed":
@@ -244,13 +242,15 @@ class Scheduler:
             if not (full or now >= oldest + cfg.max_wait_s):
                 return Wait(oldest + cfg.max_wait_s), expired, shed
         else:
+            if cfg.interactive_batch_s > 0 and window[0].bulk:
+                window, promoted = self._query_first(window)
             # The batch is sized for its anchor, the input fair order serves first: inputs of a bulk
             # request that lost the target long ago must not make a fresh query's batch a long one.
             budget = cfg.target_latency_s - (start - window[0].arrival)
             limit = budget
-            if cfg.interactive_batch_s > 0 and now - self._query_at <= INTERACTIVE_MEMORY_S:
+            if cfg.interactive_batch_s > 0:
                 alone = self.cost.predict(self.padded_cost(1, window[0].n_tokens))
-                if window[0].bulk:  # ingestion while queries are about: a short batch
+                if window[0].bulk:  # ingestion: a short batch, so a query arriving meanwhile waits little
                     limit = max(cfg.interactive_batch_s, alone)
                 elif any(e.bulk for e in window):
                     # A query may carry ingestion's inputs only while that costs it at most twice its
@@ -272,10 +272,32 @@ class Scheduler:
         batch = [window[i] for i in picked]
         padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
         predicted = self.cost.predict(padded)
+        if promoted:
+            self._promoted_s += predicted
+        elif batch[0].bulk:
+            self._promoted_s = 0.0
         self._queue.take(batch, charge=True)
         self.inflight += 1
         self.busy_until = start + predicted
         return Dispatch(batch, padded, predicted), expired, shed
+
+    def _query_first(self, window: list[Entry]) -> tuple[list[Entry], bool]:
+        """``window`` (anchored by a bulk input) with the first query of the anchor's tenant and class
+        moved to the front, and whether one was.
+
+        A bulk batch is a run of similar lengths around its anchor, which a short query is seldom in, and
+        fair order puts a fresh query beside the bulk input that goes next, sometimes just behind it: it
+        would wait out one more bulk batch. Moving it up reorders one window of one class, so fairness
+        moves by at most that; and only while the batches so moved up since the bulk request last
+        anchored one are predicted to take less than ``interactive_batch_s``, so under a flood of queries
+        ingestion still anchors a batch at least that often."""
+        if self._promoted_s >= self.config.interactive_batch_s:
+            return window, False
+        anchor = window[0]
+        for i, e in enumerate(window):
+            if not e.bulk and e.tenant == anchor.tenant and e.priority == anchor.priority:
+                return [e, *window[:i], *window[i + 1 :]], True
+        return window, False
 
     def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
         """A dispatched batch finished (``seconds`` None if it failed)."""
