@@ -202,6 +202,14 @@ class Settings:
         "cost less at the price of some latency.",
         default=None,
     )
+    max_queue_wait_ms: float | None = _knob(
+        "Overload: a request whose first input is predicted to wait longer than this before it runs (in "
+        "fair order: a query behind a bulk request waits one share, not the whole bulk) is answered 429 "
+        "with Retry-After at once instead of lengthening the backlog, so admitted requests keep their "
+        "latency under sustained overload. Default: --target-latency-ms. 0 = off (then only "
+        "--max-queued-tokens and deadlines refuse).",
+        default=None,
+    )
     request_timeout_ms: float = _knob(
         "Default and cap of a request's deadline (X-Request-Timeout, ms). Requests past it, or that the "
         "cost model says cannot make it, are answered 504/503 and never computed.",
@@ -468,6 +476,8 @@ def _validate(s: Settings) -> None:
         problems.append("batching must be adaptive, fixed or none")
     if s.target_latency_ms <= 0 or s.request_timeout_ms <= 0:
         problems.append("target_latency_ms and request_timeout_ms must be > 0")
+    if s.max_queue_wait_ms is not None and s.max_queue_wait_ms < 0:
+        problems.append("max_queue_wait_ms must be >= 0")
     if s.interactive_batch_ms < 0:
         problems.append("interactive_batch_ms must be >= 0")
     if s.priority_ratio < 1:

@@ -79,6 +79,11 @@ class SchedulerConfig:
     # binds first); 0 = off (bulk batches as large as the other limits allow).
     interactive_batch_s: float = 0.05
     pipeline_depth: int = 1
+    # A request whose first input is predicted to wait longer than this before it runs is refused at once
+    # (429 queue_full with Retry-After) instead of joining a backlog it would only lengthen: under
+    # sustained overload the queue stays near this many seconds and admitted requests keep their
+    # latency. 0 = off (only the token bounds and deadlines refuse).
+    max_queue_wait_s: float = 0.0
 
 
 INTERACTIVE_INPUTS = 4  # a request of at most this many inputs is a query, not ingestion
@@ -169,6 +174,15 @@ class Scheduler:
         refusal = self.check_room(tenant, total, now)
         if refusal is not None:
             return refusal
+        if cfg.max_queue_wait_s > 0:
+            wait = self._wait_s(lengths[0], 1, now)  # until its first input runs, in fair order
+            if wait > cfg.max_queue_wait_s:
+                return Refusal(
+                    "queue_full",
+                    f"The queue ahead needs about {wait:.3f} s before this request would start (bound "
+                    f"{cfg.max_queue_wait_s:.3f} s); retry later.",
+                    self.drain_s(now),
+                )
         if deadline is not None:
             finish = now + self._wait_s(total, len(lengths), now) + self.cost.predict(
                 self.padded_cost(len(lengths), max(lengths))

@@ -147,6 +147,9 @@ def default_factory(settings: Settings) -> RunnerFactory:
 def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
     """The batching knobs of ``settings`` for one model (whose longest input is ``max_tokens``)."""
     strategy = settings.batching
+    queue_wait_ms = settings.max_queue_wait_ms
+    if queue_wait_ms is None:
+        queue_wait_ms = settings.target_latency_ms
     wait_ms = (
         settings.max_wait_ms if settings.max_wait_ms is not None else (5.0 if strategy == "fixed" else 0.0)
     )
@@ -160,6 +163,7 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
         priority_ratio=settings.priority_ratio,
         interactive_batch_s=settings.interactive_batch_ms / 1e3,
         pipeline_depth=depth,
+        max_queue_wait_s=queue_wait_ms / 1e3,
     )
 
 

@@ -46,7 +46,8 @@ async def test_flood_past_the_bound_gets_429_while_admitted_requests_complete(se
 
 async def test_expired_deadline_is_answered_without_compute(serve: Any) -> None:
     runner = FakeRunner(batch_seconds=0.4)
-    srv = serve(build(["--max-batch-size", "1"], environ={}), lambda s: runner)
+    # The bound on queue wait off: the impatient requests must queue behind a 0.4 s batch, not be refused.
+    srv = serve(build(["--max-batch-size", "1", "--max-queue-wait-ms", "0"], environ={}), lambda s: runner)
     before = len(runner.batches)
     busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
     await asyncio.sleep(0.1)
@@ -80,7 +81,8 @@ async def test_a_deadline_that_passes_mid_batch_is_answered_504_at_once(serve: A
 
 async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
     runner = FakeRunner(batch_seconds=0.4)
-    srv = serve(build(["--max-batch-size", "1"], environ={}), lambda s: runner)
+    # The bound on queue wait off: the impatient requests must queue behind a 0.4 s batch, not be refused.
+    srv = serve(build(["--max-batch-size", "1", "--max-queue-wait-ms", "0"], environ={}), lambda s: runner)
     before = len(runner.batches)
     busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
     await asyncio.sleep(0.1)

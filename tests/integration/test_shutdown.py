@@ -28,7 +28,8 @@ def server_process(request: Any) -> Any:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen(
         [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), "--shutdown-grace-s", "1",
-         "--drain-timeout-s", "20", "--log-level", "warning", "--workers", str(request.param)],
+         "--drain-timeout-s", "20", "--log-level", "warning", "--workers", str(request.param),
+         "--max-queue-wait-ms", "0"],  # the burst must be admitted whole, then drained, not refused
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     yield proc, f"http://127.0.0.1:{port}"

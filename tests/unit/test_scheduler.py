@@ -413,3 +413,23 @@ def test_a_query_behind_a_bulk_request_is_not_refused_as_unmeetable() -> None:
     assert s.admit([16], "default", 0.5, 0.0) is None  # one query, half a second
     refusal = s.admit([16] * 2048, "default", 0.5, 0.0)
     assert refusal is not None and refusal.reason == "deadline_unmeetable"
+
+
+def test_a_backlog_past_the_queue_wait_bound_refuses_newcomers_at_once() -> None:
+    """Many waiting requests (each its own flow) make a new one wait behind all of them: past
+    ``max_queue_wait_s`` it is refused 429 at once; one bulk request of the same size is no backlog
+    for a query (fair order serves the query next), and with the bound off only the token bound refuses."""
+    cost = CostModel()
+    for n in (16, 256, 1024):
+        cost.observe(n, A + B * n)
+    s = Scheduler(adaptive(max_queue_wait_s=0.5), cost, lambda n, m: n * m)
+    assert s.admit([16], "default", None, 0.0) is None
+    s.add([Entry(16, 0.0, flow=i) for i in range(400)])  # 400 requests ahead, ~1.7 s of work
+    refusal = s.admit([16], "default", None, 0.0)
+    assert refusal is not None and refusal.reason == "queue_full" and refusal.retry_after > 0.5
+    bulk = Scheduler(adaptive(max_queue_wait_s=0.5), cost, lambda n, m: n * m)
+    bulk.add([Entry(16, 0.0, flow="bulk") for _ in range(400)])
+    assert bulk.admit([16], "default", None, 0.0) is None
+    off = Scheduler(adaptive(), cost, lambda n, m: n * m)
+    off.add([Entry(16, 0.0, flow=i) for i in range(400)])
+    assert off.admit([16], "default", None, 0.0) is None
