@@ -203,8 +203,9 @@ class Settings:
         default=None,
     )
     max_queue_wait_ms: float | None = _knob(
-        "Overload: a request whose first input is predicted to wait longer than this before it runs (in "
-        "fair order: a query behind a bulk request waits one share, not the whole bulk) is answered 429 "
+        "Overload: a request whose first input is predicted to wait longer than this for the queue ahead "
+        "of it (in fair order: a query behind a bulk request waits one share, not the whole bulk; the "
+        "batch already running is not counted) is answered 429 "
         "with Retry-After at once instead of lengthening the backlog, so admitted requests keep their "
         "latency under sustained overload. Default: --target-latency-ms. 0 = off (then only "
         "--max-queued-tokens and deadlines refuse).",

@@ -175,7 +175,9 @@ class Scheduler:
         if refusal is not None:
             return refusal
         if cfg.max_queue_wait_s > 0:
-            wait = self._wait_s(lengths[0], 1, now)  # until its first input runs, in fair order
+            # Until its first input runs, in fair order, past the batches already running: those are
+            # bounded by the batch limits, and one long batch on a slow machine is not a backlog.
+            wait = self._wait_s(lengths[0], 1, now) - max(0.0, self.busy_until - now)
             if wait > cfg.max_queue_wait_s:
                 return Refusal(
                     "queue_full",

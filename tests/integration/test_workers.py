@@ -191,7 +191,7 @@ async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(
 
 
 async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica_down(replica: Any) -> None:
-    r = replica(2, SLOW)
+    r = replica(2, [*SLOW, "--max-batch-size", "1"])  # 8 requests: 1.6 s of work, most in flight at the kill
     await wait_all_gateways(r)
     engine = roles(r.proc.pid)["engine"][0]
     async with aiohttp.ClientSession() as s:
