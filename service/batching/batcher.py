@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from array import array
 from collections.abc import Sequence
@@ -446,6 +447,8 @@ class Batcher:
         waits = m.queue_wait
         for e in batch:
             waits[e.priority].observe(start - e.arrival)
+        if not log.is_enabled_for(logging.DEBUG):
+            return  # the fields below cost a pass over the batch each: only when someone reads them
         log.debug(
             "batch",
             model=self.model,

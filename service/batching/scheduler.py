@@ -174,10 +174,11 @@ class Scheduler:
         refusal = self.check_room(tenant, total, now)
         if refusal is not None:
             return refusal
+        flows = self._queue.active_flows()  # once: both predictions below wait behind the same requests
         if cfg.max_queue_wait_s > 0:
             # Until its first input runs, in fair order, past the batches already running: those are
             # bounded by the batch limits, and one long batch on a slow machine is not a backlog.
-            wait = self._wait_s(lengths[0], 1, now) - max(0.0, self.busy_until - now)
+            wait = self._wait_s(lengths[0], 1, now, flows) - max(0.0, self.busy_until - now)
             if wait > cfg.max_queue_wait_s:
                 return Refusal(
                     "queue_full",
@@ -186,7 +187,7 @@ class Scheduler:
                     self.drain_s(now),
                 )
         if deadline is not None:
-            finish = now + self._wait_s(total, len(lengths), now) + self.cost.predict(
+            finish = now + self._wait_s(total, len(lengths), now, flows) + self.cost.predict(
                 self.padded_cost(len(lengths), max(lengths))
             )
             if finish > deadline:
@@ -197,13 +198,13 @@ class Scheduler:
                 )
         return None
 
-    def _wait_s(self, tokens: int, inputs: int, now: float) -> float:
+    def _wait_s(self, tokens: int, inputs: int, now: float, flows: int) -> float:
         """Predicted seconds until a new request of ``inputs`` inputs and ``tokens`` tokens starts its
         last batch. Requests share the model fairly, so each one waiting is served about as many
         tokens as this one before it is done, not all of its own: what runs first is at most one such
         share per waiting request (and never more than all that waits). Priorities and tenant weights
-        move shares around; past this estimate, the deadline still answers 504."""
-        flows = self._queue.active_flows()
+        move shares around; past this estimate, the deadline still answers 504. ``flows``: the requests
+        waiting (``FairQueue.active_flows``)."""
         ahead_tokens = min(self.queued_tokens, flows * tokens)
         ahead_inputs = min(self.queued_items, flows * inputs)
         coef = self.cost.coef
