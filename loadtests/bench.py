@@ -96,13 +96,20 @@ def section_command(name: str, argv: list[str]) -> str:
     return " ".join([".venv/bin/python -m coalesce.loadtests.bench", "--only", name, *map(shlex.quote, rest)])
 
 
-def preamble(title: str, name: str, argv: list[str], load_before: float) -> str:
+def heading(title: str, command: str, note: str = "") -> str:
+    """A section's first lines: its title, when and on what machine it was measured, and the command."""
     today = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return (
-        f"### {title}\n\n"
-        f"Measured {today} on {machine()}; load average {load_before:.2f} when it started.\n"
-        f"Command: `{section_command(name, argv)}`\n"
-    )
+    return f"### {title}\n\nMeasured {today} on {machine()}{note}.\nCommand: `{command}`\n"
+
+
+def preamble(title: str, name: str, argv: list[str], load_before: float) -> str:
+    return heading(title, section_command(name, argv), f"; load average {load_before:.2f} when it started")
+
+
+def write_section(path: Path, name: str, block: str) -> None:
+    """Replace section ``name`` of the markdown file ``path`` with ``block`` (created if missing)."""
+    text = path.read_text(encoding="utf-8") if path.exists() else _HEADER
+    path.write_text(update_section(text, name, block), encoding="utf-8")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -172,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         title, body = runners[name](args)
         block = preamble(title, name, argv, load_before) + "\n" + body
-        text = args.file.read_text(encoding="utf-8") if args.file.exists() else _HEADER
-        args.file.write_text(update_section(text, name, block), encoding="utf-8")
+        write_section(args.file, name, block)
         print(block, flush=True)
     print(f"Updated {args.file}", file=sys.stderr)
     return 0

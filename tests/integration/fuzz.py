@@ -167,15 +167,11 @@ def bench_block(report: dict[str, Any], tally: dict[str, int], max_examples: int
 
 def write_bench(path: Path, block_body: str, api_keys: bool, argv: Sequence[str]) -> None:
     """Replace the ``fuzz`` (or ``fuzz-keys``) section of ``path`` (a BENCHMARKS.md) with this run."""
-    from coalesce.loadtests.bench import machine, update_section
+    from coalesce.loadtests.bench import heading, write_section
 
-    name = "fuzz-keys" if api_keys else "fuzz"
-    today = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     title = "Fuzzing: schemathesis, every route" + (" (API keys on)" if api_keys else "")
-    block = (f"### {title}\n\nMeasured {today} on {machine()}.\n"
-             f"Command: `make fuzz ARGS=\"{' '.join(argv)}\"`\n\n{block_body}\n")
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    path.write_text(update_section(text, name, block), encoding="utf-8")
+    block = heading(title, f"make fuzz ARGS=\"{' '.join(argv)}\"") + f"\n{block_body}\n"
+    write_section(path, "fuzz-keys" if api_keys else "fuzz", block)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -37,21 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--file", type=Path, default=Path("BENCHMARKS.md"))
     args = parser.parse_args(argv)
-    from coalesce.loadtests.bench import machine, update_section
+    from coalesce.loadtests.bench import heading, write_section
 
     code, outcomes, summary = run()
-    today = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = "".join(f"| {o.split(':', 1)[0]} | {o.split(':', 1)[1].strip() if ':' in o else ''} |\n"
                    for o in outcomes)
     block = (
-        f"### Hostile clients (CPU)\n\nMeasured {today} on {machine()}.\nCommand: `{COMMAND}`\n\n"
+        heading("Hostile clients (CPU)", COMMAND) + "\n"
         "Each row is one integration test's outcome line: a server on loopback (the fake runner; the "
         "last one a real `coalesce serve` process), a hostile client, and a polite one beside it. "
         f"Tests: {summary}."
         "\n\n| case | outcome |\n|---|---|\n" + rows
     )
-    text = args.file.read_text(encoding="utf-8") if args.file.exists() else ""
-    args.file.write_text(update_section(text, "hostile", block), encoding="utf-8")
+    write_section(args.file, "hostile", block)
     print(block)
     return code
 

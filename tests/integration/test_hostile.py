@@ -67,15 +67,19 @@ def peak_rss_growth() -> Iterator[list[int]]:
         out[0] = max(peak[0], rss_bytes()) - base
 
 
-async def _all_timed_out(srv: Any, results: list[tuple[Answer, float, float]], reason: str) -> None:
+async def _all_timed_out(srv: Any, results: list[tuple[Answer, float, float]], reason: str,
+                         case: str, bystander: Bystander) -> None:
     """Every trickling client got 408 in the error shape with Connection: close, after the 1.5 s timeout
-    and well before its 30 s of trickling, and the server counted each refusal under ``reason``."""
+    and well before its 30 s of trickling, and the server counted each refusal under ``reason``; prints
+    the ``case``'s outcome line."""
     for answer, answered, closed in results:
         assert answer.status == 408 and answer.eof
         assert answer.json()["error"]["code"] == "request_timeout"
         assert answer.headers["connection"] == "close"
         assert 1.0 <= answered < 6.0 and closed < answered + 5.0
     assert await refusals(srv, reason) == len(results)
+    print(f"outcome: {case}: 408 after at most {max(r[1] for r in results):.1f} s, closed by "
+          f"{max(r[2] for r in results):.1f} s; bystander: {bystander.summary()}")
 
 
 async def test_slow_heads_get_408_at_the_header_timeout_while_others_are_served(serve: Any) -> None:
@@ -91,10 +95,8 @@ async def test_slow_heads_get_408_at_the_header_timeout_while_others_are_served(
         ))
     finally:
         await bystander.finish()
-    await _all_timed_out(srv, results, "header_timeout")
-    print(f"outcome: slow head (20 clients, 1 header line/0.3 s): 408 after at most "
-          f"{max(r[1] for r in results):.1f} s (--header-timeout-s 1.5), closed by "
-          f"{max(r[2] for r in results):.1f} s; bystander: {bystander.summary()}")
+    await _all_timed_out(srv, results, "header_timeout",
+                         "slow head (20 clients, 1 header line/0.3 s, --header-timeout-s 1.5)", bystander)
 
 
 async def test_a_slow_body_gets_408_at_the_body_timeout(serve: Any) -> None:
@@ -106,10 +108,9 @@ async def test_a_slow_body_gets_408_at_the_body_timeout(serve: Any) -> None:
         results = await asyncio.gather(*(trickle(srv.port, head + b"{", b" ", 0.3, 30.0) for _ in range(10)))
     finally:
         await bystander.finish()
-    await _all_timed_out(srv, results, "body_timeout")
-    print(f"outcome: slow body (10 clients, 1 byte/0.3 s of 200): 408 after at most "
-          f"{max(r[1] for r in results):.1f} s (--body-timeout-s 1.5), closed by "
-          f"{max(r[2] for r in results):.1f} s (2 s lingering read); bystander: {bystander.summary()}")
+    await _all_timed_out(srv, results, "body_timeout",
+                         "slow body (10 clients, 1 byte/0.3 s of 200, --body-timeout-s 1.5; the close after "
+                         "a 2 s lingering read)", bystander)
 
 
 async def test_past_the_connection_cap_a_client_is_answered_503_with_retry_after(serve: Any) -> None:
