@@ -40,7 +40,9 @@ def configure(level: str = "info", fmt: str = "json", process: str | None = None
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (PrintLogger writes the text and its newline apart): several processes
+        # share one stderr, and unbuffered (PYTHONUNBUFFERED) lines must not interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
