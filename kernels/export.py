@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from . import calibration
 from .export_sources import (
     PROBE_PAIRS,
     PROBE_TEXTS,
@@ -167,7 +168,8 @@ def export_model(
                         f"model {model!r}: int8 quantisation loses too much (cosine to torch "
                         f"{checks['int8_cosine_min']:.4f} < {INT8_MIN_COSINE}); export it in fp32"
                     )
-            manifest = replace(source.manifest, quantize=quantize, checks=checks)
+            stored = _calibrate(staging) if chosen is Task.EMBED else ""
+            manifest = replace(source.manifest, quantize=quantize, checks=checks, calibration=stored)
             manifest.write(staging)
             _move_into(staging, out)
     return manifest
@@ -259,6 +261,18 @@ def _check(source: ExportSource, staging: Path, model: str) -> dict[str, float]:
         return {"cosine_min": float(cos.min())}
     # Logits: the largest difference, relative to the largest logit (at least 1).
     return {"logit_error": float(np.abs(ours - ref).max()) / max(1.0, float(np.abs(ref).max()))}
+
+
+def _calibrate(staging: Path) -> str:
+    """Embed the calibration corpus with the final graph, as the engine's warm-up would, and store the
+    rows beside it (a server of the export then starts without embedding them); their digest."""
+    runner = load_onnx_runner(str(staging), name=None, environ={})
+    seqs = calibration.corpus_sequences(runner.tokens)
+    size = calibration.BATCH
+    batches = (runner.prepare(seqs[i : i + size]) for i in range(0, len(seqs), size))
+    rows = np.concatenate([runner.finish(runner.forward(p), p) for p in batches])
+    np.save(staging / calibration.FILE, np.ascontiguousarray(rows, dtype=np.float32), allow_pickle=False)
+    return calibration.digest()
 
 
 # -- files ---------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from .calibration import CORPUS, digest
+from .calibration import FILE as CALIBRATION_FILE
 from .protocol import ModelInfo, PairIds, Task, marks
 from .st_config import prompt_fields
 from .tokens import TokenizerAdapter, pad_batch
@@ -67,6 +69,7 @@ class ExportManifest:
     source: str = ""  # the model directory or name it was exported from
     versions: dict[str, str] = field(default_factory=dict)  # torch, transformers, onnx ... that made it
     checks: dict[str, float] = field(default_factory=dict)  # export-time cosines against torch
+    calibration: str = ""  # embed: the corpus digest calibration.npy was computed on ("" for none)
     version: int = MANIFEST_VERSION
 
     def write(self, directory: Path) -> None:
@@ -251,6 +254,7 @@ class OnnxRunner:
             raise ValueError(f"{root}: the graph takes {sorted(declared)}; the manifest, {manifest.inputs}")
         self._segments = "token_type_ids" in declared
         self._mask = "attention_mask" in declared
+        self.calibration = _stored_calibration(root, manifest) if info.task is Task.EMBED else None
 
     # -- CPU side ------------------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
@@ -287,7 +291,7 @@ class OnnxRunner:
 
     def warmup(self) -> None:
         """One small batch: ONNX Runtime has no per-shape first-run cost worth a second one here (measured),
-        and the start-up calibration that follows runs the larger batch anyway."""
+        and the cost model's seeding that follows runs a larger batch anyway."""
         seq = self.with_special_tokens([min(1000, self.info.vocab_size - 1)] * min(16, self.info.max_tokens))
         prepared = self.prepare([seq])
         self.finish(self.forward(prepared), prepared)
@@ -299,6 +303,22 @@ class OnnxPairRunner(OnnxRunner):
     def pair_with_special_tokens(self, a: Sequence[int], b: Sequence[int]) -> PairIds:
         ids, b_start = self.tokens.pair_with_special_tokens(a, b)
         return PairIds(ids, b_start)
+
+
+def _stored_calibration(root: Path, manifest: ExportManifest) -> np.ndarray | None:
+    """The calibration rows the export stored, if they were made from today's corpus by this graph;
+    None (the engine embeds the corpus at warm-up) for older exports and a changed corpus."""
+    path = root / CALIBRATION_FILE
+    if not manifest.calibration or not path.is_file():
+        return None
+    if manifest.calibration != digest():
+        log.info("%s: its calibration rows predate this server's corpus; they are computed at warm-up", root)
+        return None
+    rows = np.load(path, allow_pickle=False)
+    if rows.shape != (len(CORPUS), manifest.dim) or rows.dtype != np.float32:
+        raise ValueError(f"{path}: {rows.shape} {rows.dtype}, expected ({len(CORPUS)}, "
+                         f"{manifest.dim}) float32; run `coalesce export` again")
+    return rows
 
 
 def load_onnx_runner(

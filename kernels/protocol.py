@@ -205,3 +205,11 @@ class TokenRunner(Runner, Protocol):
         """float32 ``(sum of the real inputs' lengths, width)``: each input's tokens in order, inputs in
         batch order, padded positions dropped."""
         ...
+
+
+@runtime_checkable
+class CalibratedRunner(Protocol):
+    """A runner that brings the calibration corpus's rows with it (an ONNX export stores them), so the
+    engine's warm-up need not embed the corpus. None: compute them as for any other runner."""
+
+    calibration: np.ndarray | None

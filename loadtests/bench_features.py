@@ -46,7 +46,7 @@ def _embed_v2(base_url: str, texts: list[str], types: list[str]) -> dict[str, li
 
 
 def features(args: argparse.Namespace) -> tuple[str, str]:
-    from coalesce.service.engine.calibration import CORPUS
+    from coalesce.kernels.calibration import CORPUS
 
     out = args.out / "features"
     closed = Scenario(

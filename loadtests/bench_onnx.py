@@ -107,7 +107,8 @@ def onnx(args: argparse.Namespace) -> tuple[str, str]:
         "The packaged all-MiniLM-L6-v2, exported in this run (`coalesce export`, fp32 and "
         f"`--quantize int8`), served by each backend in turn. Cold start: median of {COLD_RUNS} starts, "
         "torch and onnx alternated, seconds from process start, and the CPU-seconds the server spent to "
-        "get there (which other load on the machine hardly changes). Load: short single-sentence requests, "
+        "get there (which other load on the machine hardly changes); the project's modules compiled to "
+        "bytecode first, as the images' `pip install` does. Load: short single-sentence requests, "
         f"closed loop, {args.duration:g} s after 3 s warm-up, 1 client then {CLIENTS}. Idle: CPU-seconds "
         f"of a ready server in {IDLE_S:g} s without traffic.\n\n"
         + markdown_table(["server", "/ready s", "first embedding s", "CPU-s to it", "p50 ms (1 client)",

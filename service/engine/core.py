@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from coalesce.kernels.protocol import ModelInfo, Runner, Task
+from coalesce.kernels.calibration import BATCH, corpus_sequences
+from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 
 from ..batching.batcher import Batcher
@@ -25,7 +26,6 @@ from ..batching.scheduler import Scheduler, SchedulerConfig
 from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import ModelSpec, Settings
-from .calibration import CORPUS
 
 log = get_logger("coalesce.engine")
 
@@ -71,7 +71,9 @@ class Engine:
             await worker.warmup()
             cost = CostModel()
             await _seed_cost(worker, runner, cost)
-            calibration = await _embed_corpus(worker, runner) if runner.info.task is Task.EMBED else None
+            calibration = stored = runner.calibration if isinstance(runner, CalibratedRunner) else None
+            if calibration is None and runner.info.task is Task.EMBED:
+                calibration = await _embed_corpus(worker, runner)
             t2 = time.perf_counter()
             scheduler = Scheduler(
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
@@ -94,6 +96,7 @@ class Engine:
                 warmup_s=round(t2 - t1, 3),
                 cost_overhead_ms=round(cost.coef.overhead_s * 1e3, 3),
                 cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
+                calibration="none" if calibration is None else "stored" if stored is not None else "computed",
             )
         self.record_capture()
 
@@ -168,17 +171,19 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
 
 
 async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
-    """Seed the cost model with a small and a larger batch, so first decisions rest on measurements."""
+    """Seed the cost model with a small and a larger batch, so first decisions rest on measurements.
+    The larger is 4 × 64 (15× the padded tokens of the small one, enough to separate overhead from
+    per-token cost); 8 × 64 added 45 ms to every CPU cold start, and real batches refit the model."""
     filler = [min(1000, runner.info.vocab_size - 1)]
-    for n, length in ((1, 16), (8, 64)):
+    for n, length in ((1, 16), (4, 64)):
         seq = runner.tokens.with_special_tokens(filler * length)
         out = await worker.run([seq] * n)
         cost.observe(runner.padded_cost(n, len(seq)), out.forward_s)
 
 
-async def _embed_corpus(worker: ModelWorker, runner: Runner, batch: int = 32) -> np.ndarray:
-    """The built-in calibration corpus's embeddings (float32, corpus × width), once, at warm-up."""
-    tokens = runner.tokens
-    seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]
-    rows = [(await worker.run(seqs[i : i + batch])).rows for i in range(0, len(seqs), batch)]
+async def _embed_corpus(worker: ModelWorker, runner: Runner) -> np.ndarray:
+    """The built-in calibration corpus's embeddings (float32, corpus × width), once, at warm-up, for
+    a runner that does not bring them stored (only an export does)."""
+    seqs = corpus_sequences(runner.tokens)
+    rows = [(await worker.run(seqs[i : i + BATCH])).rows for i in range(0, len(seqs), BATCH)]
     return np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)

@@ -50,7 +50,6 @@ from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
 from .guard import body_too_large, read_body
 from .models import MODELS, ModelRegistry
-from .remote import RemoteBackend
 from .responses import json_response
 from .routing import add_route, dialect_of
 from .state import LIFECYCLE, METRICS, SETTINGS, Handler, Lifecycle, Phase
@@ -174,6 +173,8 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     app[LIFECYCLE] = life
     app[KEYS] = KeyRing.load(settings.api_keys_file) if settings.api_keys_file else None
     if settings.role == "gateway":
+        from .remote import RemoteBackend  # ZeroMQ: imported only by the processes that use it
+
         app[BACKEND] = RemoteBackend(settings, metrics, registry, life)
     else:
         app[BACKEND] = LocalBackend(settings, metrics, registry, runner_factory or default_factory(settings))

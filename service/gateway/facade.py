@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from aiohttp import web
+from coalesce.kernels.calibration import ranges
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
 from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 
 from ..batching.batcher import Batcher, RequestResult
-from ..engine.calibration import ranges
 from ..engine.core import Engine, RunnerFactory
 from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
 from ..metrics import Metrics

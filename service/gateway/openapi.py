@@ -214,19 +214,22 @@ def build(app: web.Application) -> Json:
     return document
 
 
-DOCUMENT: web.AppKey[bytes] = web.AppKey("openapi_document")
+DOCUMENT: web.AppKey[list[bytes]] = web.AppKey("openapi_document")  # the encoded document, once built
 
 
 async def openapi_json(request: web.Request) -> web.Response:
     """This document: every route, its request and response schemas, errors and headers."""
-    return web.Response(body=request.app[DOCUMENT], content_type="application/json")
+    document = request.app[DOCUMENT]
+    if not document:  # built at the first request, not at start-up: a cold start does not wait for it
+        document.append(encoder.encode(build(request.app)))
+    return web.Response(body=document[0], content_type="application/json")
 
 
 def publish(app: web.Application) -> None:
-    """Register ``/openapi.json`` and build the document; call after every other route."""
+    """Register ``/openapi.json``; call after every other route (the document describes them all)."""
     add_route(app, "GET", "/openapi.json", openapi_json, doc=Doc(
         "This OpenAPI document", "Service", msgspec.Raw,
         description="The OpenAPI 3.1 document of this server, generated from its route table and wire "
         "schemas.",
     ))
-    app[DOCUMENT] = encoder.encode(build(app))
+    app[DOCUMENT] = []

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from coalesce.service.engine.calibration import CORPUS, TOPICS
+from coalesce.kernels.calibration import CORPUS, TOPICS
 from coalesce.service.settings import build
 
 from ..conftest import ServerThread

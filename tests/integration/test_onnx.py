@@ -6,6 +6,7 @@ directory with no graph)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -18,11 +19,14 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from coalesce.kernels.calibration import BATCH, CORPUS, corpus_sequences, digest
 from coalesce.kernels.export import export_model
 from coalesce.kernels.loader import RunnerOptions, load_runner
 from coalesce.kernels.onnx_runner import MissingGraph, OnnxPairRunner, OnnxRunner, load_onnx_runner
 from coalesce.kernels.protocol import PairIds, Runner
 from coalesce.kernels.tokens import TokenizerAdapter
+from coalesce.service.engine.core import Engine, default_factory
+from coalesce.service.metrics import Metrics
 from coalesce.service.settings import build
 
 from ..conftest import ServerThread, free_port
@@ -152,6 +156,69 @@ def test_the_export_directory_is_self_contained(exports: dict[str, Path]) -> Non
     assert (out / "config_sentence_transformers.json").read_text() == (
         source / "config_sentence_transformers.json"
     ).read_text()
+
+
+def _engine_calibration(model: Path) -> tuple[np.ndarray | None, int]:
+    """Load ``model`` into an engine as a server does; its calibration rows and the forwards it ran."""
+    settings = build(["--backend", "onnx", "--model", str(model)], environ={})
+    forwards = 0
+
+    def factory(spec: Any) -> Any:
+        runner = default_factory(settings)(spec)
+        run = runner.forward
+
+        def counted(prepared: Any) -> Any:
+            nonlocal forwards
+            forwards += 1
+            return run(prepared)
+
+        runner.forward = counted
+        return runner
+
+    async def load() -> np.ndarray | None:
+        engine = Engine(settings, Metrics(), factory)
+        try:
+            await engine.load()
+            return engine.models[0].calibration
+        finally:
+            await engine.close()
+
+    return asyncio.run(load()), forwards
+
+
+def test_an_export_brings_its_calibration_rows_so_a_server_starts_without_embedding_the_corpus(
+    exports: dict[str, Path], tmp_path: Path
+) -> None:
+    for name in ("minilm", "minilm-int8"):
+        out = exports[name]
+        assert json.loads((out / "coalesce_export.json").read_text())["calibration"] == digest()
+        stored = np.load(out / "calibration.npy")
+        assert stored.shape == (len(CORPUS), 384) and stored.dtype == np.float32
+        # Made by the final graph (after int8 quantisation), exactly as a warm-up would embed the corpus.
+        runner = load_onnx_runner(str(out), name=None)
+        seqs = corpus_sequences(runner.tokens)
+        live = np.concatenate([_rows(runner, seqs[i : i + BATCH]) for i in range(0, len(seqs), BATCH)])
+        np.testing.assert_allclose(stored, live, atol=1e-5)
+        assert runner.calibration is not None
+    assert not np.allclose(np.load(exports["minilm"] / "calibration.npy"),
+                           np.load(exports["minilm-int8"] / "calibration.npy"), atol=1e-4)
+
+    rows, forwards = _engine_calibration(exports["minilm"])
+    assert rows is not None and forwards == 3  # warm-up and the cost model's two seeds: no corpus batch
+    np.testing.assert_array_equal(rows, np.load(exports["minilm"] / "calibration.npy"))
+
+    # An export whose rows were made from another corpus: they are ignored and the corpus embedded again.
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for item in exports["minilm"].iterdir():
+        (stale / item.name).symlink_to(item)
+    (stale / "coalesce_export.json").unlink()
+    manifest = json.loads((exports["minilm"] / "coalesce_export.json").read_text())
+    (stale / "coalesce_export.json").write_text(json.dumps({**manifest, "calibration": "0" * 16}))
+    assert load_onnx_runner(str(stale), name=None).calibration is None
+    recomputed, forwards = _engine_calibration(stale)
+    assert recomputed is not None and forwards == 3 + -(-len(CORPUS) // BATCH)
+    np.testing.assert_allclose(recomputed, rows, atol=1e-5)
 
 
 # -- classifier and cross-encoder ----------------------------------------------------------------------

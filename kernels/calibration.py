@@ -5,11 +5,22 @@ takes ``calibration_embeddings`` and uses their per-dimension minimum and maximu
 they would make a text's bytes depend on its neighbours; computed here, once, from a fixed corpus, the
 same text always gets the same bytes. The corpus is short everyday sentences in eight topics, so it
 also serves the retrieval check of binary output (neighbours by Hamming distance against cosine).
+
+``coalesce export`` embeds the corpus once with the exported graph and stores the rows beside it
+(``calibration.npy``, named by :func:`digest` in the manifest), so a server of the export starts
+without embedding it again; the engine embeds it at warm-up for every other model.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
+
+from .protocol import Tokens
+
+BATCH = 32
+FILE = "calibration.npy"  # in an export directory: the rows, float32 (len(CORPUS), dim)
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "cooking": (
@@ -134,3 +145,14 @@ def ranges(calibration: np.ndarray) -> np.ndarray:
     sentence-transformers' ``quantize_embeddings`` computes them."""
     rows = np.asarray(calibration, dtype=np.float32)
     return np.vstack((rows.min(axis=0), rows.max(axis=0)))
+
+
+def digest() -> str:
+    """Names this corpus: stored calibration rows count only when made from the same sentences."""
+    return hashlib.sha256("\n".join(CORPUS).encode()).hexdigest()[:16]
+
+
+def corpus_sequences(tokens: Tokens) -> list[list[int]]:
+    """The corpus as the complete id sequences its rows are computed from (no prompt), in
+    batches of :data:`BATCH` in order, wherever they are computed."""
+    return [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]
