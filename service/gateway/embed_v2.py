@@ -34,7 +34,7 @@ from .contract import MODEL_ROUTE, Doc
 from .inputs import check_dimensions, checked_items, encode_texts
 from .models import pick_model
 from .quantize import CALIBRATED, EMBEDDING_TYPES, base64_rows, quantize
-from .responses import respond
+from .responses import float_json, respond
 from .routing import add_route
 from .state import SETTINGS
 
@@ -101,7 +101,7 @@ async def embed_v2(request: web.Request) -> web.Response:
     out: dict[str, object] = {}
     for kind in types:
         if kind == "float":
-            out["float_"] = rows.tolist()
+            out["float_"] = float_json(rows)
         elif kind == "base64":
             out["base64"] = base64_rows(rows)
         else:

@@ -4,6 +4,7 @@ rows back in input order (``dimensions`` truncates and re-normalises; ``base64``
 from __future__ import annotations
 
 import base64
+from typing import cast
 
 import numpy as np
 from aiohttp import web
@@ -23,7 +24,7 @@ from .inputs import (
     truncating,
 )
 from .models import pick_model
-from .responses import respond
+from .responses import float_json, respond
 from .state import SETTINGS
 
 # The OpenAI route has no per-request truncate field: the server's --truncate decides.
@@ -65,8 +66,7 @@ def vector(row: np.ndarray, dimensions: int | None) -> np.ndarray:
 def encode_vector(v: np.ndarray, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
-    out: list[float] = v.tolist()
-    return out
+    return cast(list[float], float_json(v))  # the list, already encoded
 
 
 async def create_embeddings(request: web.Request) -> web.Response:

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
+import orjson
 from aiohttp import web
 
 from ..batching.batcher import RequestResult
 from ..schemas import Prediction, encoder
+
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def float_json(values: np.ndarray) -> msgspec.Raw:
+    """A float array (any shape) as JSON numbers in float32's shortest form, for a response body.
+
+    Vectors are float32; encoded as Python floats (msgspec) each number would be the float64 widening
+    of its float32 value, 17 digits where 9 suffice. orjson writes float32's shortest form, which parses
+    back to exactly the same float32, in fewer bytes and less CPU. NaN and infinity, which JSON lacks,
+    become null, as msgspec writes them."""
+    return msgspec.Raw(orjson.dumps(np.ascontiguousarray(values, dtype=np.float32), option=_NUMPY))
 
 
 def json_response(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

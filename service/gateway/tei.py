@@ -45,7 +45,7 @@ from .inputs import (
     truncating,
 )
 from .models import pick_model
-from .responses import respond
+from .responses import float_json, respond
 from .routing import add_route
 from .state import SETTINGS
 
@@ -85,8 +85,8 @@ async def embed(request: web.Request) -> web.Response:
             row = vector(row, req.dimensions)  # a truncated unit vector is re-normalised
         elif req.dimensions is not None:
             row = row[: req.dimensions]
-        rows.append(row.tolist())
-    return respond(rows, result, sum(len(s) for s in seqs))
+        rows.append(row)
+    return respond(float_json(np.stack(rows)), result, sum(len(s) for s in seqs))
 
 
 async def embed_all(request: web.Request) -> web.Response:
@@ -110,7 +110,7 @@ async def embed_all(request: web.Request) -> web.Response:
     out = []
     at = 0
     for seq in seqs:
-        out.append(result.rows[at : at + len(seq)].tolist())
+        out.append(float_json(result.rows[at : at + len(seq)]))
         at += len(seq)
     return respond(out, result, at)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +66,38 @@ TEXTS = [
     "short",
     "A considerably longer passage about batching, " * 40,  # past 256 tokens: truncated
 ]
+
+
+_NUMBER = re.compile(rb"-?\d[\d.eE+-]*")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "rows"),
+    [
+        ("/v1/embeddings", {"model": MODEL, "input": TEXTS[:3]},
+         lambda b: [d["embedding"] for d in b["data"]]),
+        ("/embed", {"inputs": TEXTS[:3]}, lambda b: b),
+        ("/v2/embed", {"model": MODEL, "texts": TEXTS[:3], "input_type": "search_document",
+                       "embedding_types": ["float"]}, lambda b: b["embeddings"]["float"]),
+    ],
+    ids=["openai", "tei", "cohere-v2"],
+)
+async def test_float_output_is_float32_in_its_shortest_form(
+    server: ServerThread, path: str, body: dict[str, Any], rows: Any
+) -> None:
+    """Every number parses back to exactly the float32 the model computed (base64 carries its bits), in
+    at most 9 significant digits: not the 17 of its float64 widening, which makes bodies 40% larger."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + path, json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+        packed = {"model": MODEL, "input": TEXTS[:3], "encoding_format": "base64"}
+        async with s.post(server.url + "/v1/embeddings", json=packed) as r:
+            packed_rows = (await r.json())["data"]
+    exact = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in packed_rows]
+    got = np.asarray(rows(json.loads(raw)), dtype=np.float32)
+    np.testing.assert_array_equal(got, np.stack(exact))
+    assert max(len(n) for n in _NUMBER.findall(raw)) <= 15, raw[:200]
 
 
 async def test_float_and_base64_match_sentence_transformers(server: ServerThread, st_model: Any) -> None:
