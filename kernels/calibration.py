@@ -153,6 +153,7 @@ def digest() -> str:
 
 
 def corpus_sequences(tokens: Tokens) -> list[list[int]]:
-    """The corpus as the complete id sequences its rows are computed from (no prompt), in
-    batches of :data:`BATCH` in order, wherever they are computed."""
+    """The corpus as the complete id sequences its rows are computed from (no prompt). Wherever the
+    rows are computed, it is in order, :data:`BATCH` at a time: an int8 graph's activations are
+    quantised per batch, so its rows depend on their batch."""
     return [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]

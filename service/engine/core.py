@@ -173,7 +173,8 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
 async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
     """Seed the cost model with a small and a larger batch, so first decisions rest on measurements.
     The larger is 4 × 64 (15× the padded tokens of the small one, enough to separate overhead from
-    per-token cost); 8 × 64 added 45 ms to every CPU cold start, and real batches refit the model."""
+    per-token cost): 8 × 64 made every CPU cold start tens of milliseconds longer, and real batches
+    refit the model anyway."""
     filler = [min(1000, runner.info.vocab_size - 1)]
     for n, length in ((1, 16), (4, 64)):
         seq = runner.tokens.with_special_tokens(filler * length)
