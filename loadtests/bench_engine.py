@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 import urllib.request
-from pathlib import Path
 
-from coalesce.loadtests import servers
-from coalesce.loadtests.bench_sections import CLIENTS, _cpu_seconds, _met, _run, _spec
+from coalesce.loadtests import procs, servers
+from coalesce.loadtests.bench_sections import CLIENTS, _met, _run, _spec
 from coalesce.loadtests.report import fmt, markdown_table
 from coalesce.loadtests.scenario import Mode, Scenario
 from coalesce.loadtests.workload import Mix
@@ -26,28 +25,13 @@ NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--log-level
 PROJECTED_CORES = 16
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _role(pid: int) -> str:
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return args[args.index(b"--role") + 1].decode() if b"--role" in args else "all"
-
-
 def _cpu_by_role(pid: int) -> dict[str, float]:
     """CPU seconds of ``pid`` and its children, summed by role (engine, gateway, or all for one process)."""
-    out = {"all": _cpu_seconds(pid)} if not _children(pid) else {}
-    for child in _children(pid):
-        role = _role(child)
-        out[role] = out.get(role, 0.0) + _cpu_seconds(child)
+    kids = procs.children(pid)
+    out = {"all": procs.cpu_seconds(pid)} if not kids else {}
+    for child in kids:
+        role = procs.role(child)
+        out[role] = out.get(role, 0.0) + procs.cpu_seconds(child)
     return out
 
 

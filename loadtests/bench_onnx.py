@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from coalesce.loadtests import coldstart, servers
+from coalesce.loadtests.procs import cpu_seconds
 from coalesce.loadtests.report import fmt, markdown_table
 from coalesce.loadtests.scenario import Mode, Scenario
 from coalesce.loadtests.workload import Mix
@@ -37,7 +38,7 @@ POOLING_CASES = ((1, 16), (32, 32), (32, 128))
 
 
 def onnx(args: argparse.Namespace) -> tuple[str, str]:
-    from coalesce.loadtests.bench_sections import _cpu_seconds, _met, _run
+    from coalesce.loadtests.bench_sections import _met, _run
 
     out = args.out / "onnx"
     exports = {q: out / f"minilm-{q}" for q in ("fp32", "int8")}
@@ -59,9 +60,9 @@ def onnx(args: argparse.Namespace) -> tuple[str, str]:
         with servers.running(spec, out / "logs", args.ready_timeout) as srv:
             if name != "onnx int8":
                 time.sleep(2.0)  # let start-up settle
-                before = _cpu_seconds(srv.proc.pid)
+                before = cpu_seconds(srv.proc.pid)
                 time.sleep(IDLE_S)
-                idle[name] = _cpu_seconds(srv.proc.pid) - before
+                idle[name] = cpu_seconds(srv.proc.pid) - before
             label = name.replace(" ", "-")
             steps[name] = (
                 _run(srv.url, replace(closed, concurrency=1), f"{label} c1", out),

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 from coalesce.loadtests import selftest, servers
 from coalesce.loadtests.cli import run_async, write_outputs
+from coalesce.loadtests.procs import cpu_seconds
 from coalesce.loadtests.report import fmt, markdown_table
 from coalesce.loadtests.results import RunResult, StepResult
 from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target
@@ -273,11 +274,6 @@ def generator(args: argparse.Namespace) -> tuple[str, str]:
     return "Generator ceiling", body
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def coldstart(args: argparse.Namespace) -> tuple[str, str]:
     """Process start → ready → first embedding, beside a plain sentence-transformers server; idle CPU."""
     from coalesce.loadtests import coldstart as cs
@@ -286,9 +282,9 @@ def coldstart(args: argparse.Namespace) -> tuple[str, str]:
     idle_s = 10.0
     with servers.running(_spec(args, "idle"), args.out / "idle" / "logs", args.ready_timeout) as srv:
         time.sleep(2.0)  # let the start-up settle
-        before = _cpu_seconds(srv.proc.pid)
+        before = cpu_seconds(srv.proc.pid)
         time.sleep(idle_s)
-        idle_cpu = _cpu_seconds(srv.proc.pid) - before
+        idle_cpu = cpu_seconds(srv.proc.pid) - before
     first = result["coalesce"]["median"]["first_embedding_s"]
     body = (
         cs.report(result)
@@ -339,9 +335,9 @@ def gateway(args: argparse.Namespace) -> tuple[str, str]:
         for spec in specs:
             with servers.running(spec, out / "logs", args.ready_timeout) as srv:
                 time.sleep(1.0)  # let start-up settle
-                before = _cpu_seconds(srv.proc.pid)
+                before = cpu_seconds(srv.proc.pid)
                 st = _run(srv.url, scenario, f"{spec.name} {rate}", out)
-                cpu = _cpu_seconds(srv.proc.pid) - before
+                cpu = cpu_seconds(srv.proc.pid) - before
             per_request = cpu / max(st.ok, 1) * 1e6
             cost[spec.name, rate] = per_request
             lat = st.latency

@@ -31,6 +31,7 @@ from types import TracebackType
 from coalesce.loadtests import servers
 from coalesce.loadtests.bench_sections import _met, _run, _spec
 from coalesce.loadtests.cli import run_async, write_outputs
+from coalesce.loadtests.procs import tree
 from coalesce.loadtests.report import fmt, markdown_table
 from coalesce.loadtests.results import StepResult
 from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target
@@ -41,21 +42,6 @@ PHASE_S = 30.0
 RSS_GROWTH = 0.10
 ANSWERED = {"200", "429", "503"}  # 429 and 503 only with Retry-After
 CLIENT_TIMEOUT_S = 60.0
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and its live descendants (a ``--workers`` supervisor's engine and gateways), from /proc."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = [pid], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        found += frontier
-    return found
 
 
 def usage(pid: int) -> tuple[int, int]:

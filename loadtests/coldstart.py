@@ -38,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .procs import cpu_seconds
 from .servers import coalesce_command, free_port
 
 MODEL = "all-MiniLM-L6-v2"
@@ -124,8 +125,7 @@ def measure_server(argv: Sequence[str], port: int, timeout_s: float) -> dict[str
                 ),
             }
             # CPU the server spent to get there: unlike seconds, it hardly depends on other load.
-            stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            result["cpu_s"] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+            result["cpu_s"] = cpu_seconds(proc.pid)
         finally:
             _stop(proc)
         log.seek(0)

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from coalesce.loadtests import procs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -140,11 +141,6 @@ def serve() -> Iterator[Callable[..., ServerThread]]:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
@@ -160,40 +156,10 @@ async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 1
     raise AssertionError("server never became ready")
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU of ``pid`` and its children (a --workers supervisor's engine and gateways)."""
-    total = cpu_seconds(pid)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                total += cpu_seconds(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def children_of(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc; no psutil here)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def role_of(pid: int) -> str:
-    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return args[args.index(b"--role") + 1].decode() if b"--role" in args else "all"
-
-
 def roles(supervisor: int) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
-    for pid in children_of(supervisor):
-        out.setdefault(role_of(pid), []).append(pid)
+    for pid in procs.children(supervisor):
+        out.setdefault(procs.role(pid), []).append(pid)
     return out
 
 
@@ -213,7 +179,7 @@ class Replica:
 
     def stop(self) -> str:
         """Kill what is left; the process tree's log."""
-        for child in children_of(self.proc.pid):
+        for child in procs.children(self.proc.pid):
             os.kill(child, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.kill()

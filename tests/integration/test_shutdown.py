@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from coalesce.loadtests import procs
 
-from ..conftest import free_port, metric, tree_cpu_seconds, wait_ready
+from ..conftest import free_port, metric, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -46,9 +47,9 @@ async def test_idle_server_uses_no_cpu_and_sigterm_under_load_loses_nothing(
 
     # Idle is free: no polling loops anywhere.
     await asyncio.sleep(0.5)  # a second gateway may still be starting
-    before = tree_cpu_seconds(proc.pid)
+    before = procs.tree_cpu_seconds(proc.pid)
     await asyncio.sleep(2.0)
-    assert tree_cpu_seconds(proc.pid) - before < 0.1
+    assert procs.tree_cpu_seconds(proc.pid) - before < 0.1
 
     texts = [[f"request {i} input {j} about graceful shutdown" for j in range(6)] for i in range(40)]
     async with aiohttp.ClientSession() as s:

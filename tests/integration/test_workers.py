@@ -23,8 +23,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from coalesce.loadtests import procs
 
-from ..conftest import REPO, children_of, metric, roles, wait_all_gateways, wait_ready
+from ..conftest import REPO, metric, roles, wait_all_gateways, wait_ready
 
 MODEL = "all-MiniLM-L6-v2"
 # The real tokenizer, 200 ms a batch; backlogs are the point here, so the queue-wait bound is off.
@@ -77,7 +78,7 @@ async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_mo
 
     r.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(r.proc.wait, 60) == 0
-    assert children_of(r.proc.pid) == []
+    assert procs.children(r.proc.pid) == []
 
 
 async def test_tei_token_similarity_and_decode_routes_through_the_engine(replica: Any, st_model: Any) -> None:
@@ -214,7 +215,7 @@ async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica
         assert at - killed < 5, "answered at once, not at the request's 30 s deadline"
     assert any(status == 503 for status, _, _ in answers)
     assert await asyncio.to_thread(r.proc.wait, 60) == 1, "the platform must see the failure"
-    assert children_of(r.proc.pid) == []
+    assert procs.children(r.proc.pid) == []
 
 
 async def test_a_gateway_that_dies_has_its_queued_work_dropped_and_takes_the_replica_down(
@@ -305,7 +306,7 @@ async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_
 async def test_a_supervisor_killed_outright_takes_its_engine_and_gateways_with_it(replica: Any) -> None:
     r = replica(2, ["--runner-factory", "coalesce.loadtests.nullmodel:factory"])
     await wait_all_gateways(r)
-    children = children_of(r.proc.pid)
+    children = procs.children(r.proc.pid)
     assert len(children) == 3
     r.proc.kill()
     r.proc.wait(10)

@@ -8,7 +8,8 @@ import sys
 import time
 
 from coalesce.loadtests import bench
-from coalesce.loadtests.bench_soak import Sampler, settled_fds, tree, usage
+from coalesce.loadtests.bench_soak import Sampler, settled_fds, usage
+from coalesce.loadtests.procs import tree
 
 
 def test_a_process_tree_and_its_memory_and_descriptors_are_read_from_proc() -> None:
