@@ -19,7 +19,7 @@ import numpy as np
 
 from .protocol import Tokens
 
-BATCH = 32
+BATCH = 32  # sequences per batch of the corpus
 FILE = "calibration.npy"  # in an export directory: the rows, float32 (len(CORPUS), dim)
 
 TOPICS: dict[str, tuple[str, ...]] = {
@@ -152,8 +152,9 @@ def digest() -> str:
     return hashlib.sha256("\n".join(CORPUS).encode()).hexdigest()[:16]
 
 
-def corpus_sequences(tokens: Tokens) -> list[list[int]]:
-    """The corpus as the complete id sequences its rows are computed from (no prompt). Wherever the
-    rows are computed, it is in order, :data:`BATCH` at a time: an int8 graph's activations are
-    quantised per batch, so its rows depend on their batch."""
-    return [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]
+def corpus_batches(tokens: Tokens) -> list[list[list[int]]]:
+    """The corpus as the batches of complete id sequences (no prompt) its rows are computed from, in
+    order, wherever they are computed: the same batches everywhere, because an int8 graph quantises its
+    activations per batch, so its rows depend on their batch."""
+    seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]
+    return [seqs[i : i + BATCH] for i in range(0, len(seqs), BATCH)]

@@ -267,10 +267,8 @@ def _calibrate(staging: Path) -> str:
     """Embed the calibration corpus with the final graph, as the engine's warm-up would, and store the
     rows beside it (a server of the export then starts without embedding them); their digest."""
     runner = load_onnx_runner(str(staging), name=None, environ={})
-    seqs = calibration.corpus_sequences(runner.tokens)
-    size = calibration.BATCH
-    batches = (runner.prepare(seqs[i : i + size]) for i in range(0, len(seqs), size))
-    rows = np.concatenate([runner.finish(runner.forward(p), p) for p in batches])
+    prepared = [runner.prepare(batch) for batch in calibration.corpus_batches(runner.tokens)]
+    rows = np.concatenate([runner.finish(runner.forward(p), p) for p in prepared])
     np.save(staging / calibration.FILE, np.ascontiguousarray(rows, dtype=np.float32), allow_pickle=False)
     return calibration.digest()
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from coalesce.kernels.calibration import BATCH, corpus_sequences
+from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 
@@ -185,6 +185,5 @@ async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> No
 async def _embed_corpus(worker: ModelWorker, runner: Runner) -> np.ndarray:
     """The built-in calibration corpus's embeddings (float32, corpus × width), once, at warm-up, for
     a runner that does not bring them stored (only an export does)."""
-    seqs = corpus_sequences(runner.tokens)
-    rows = [(await worker.run(seqs[i : i + BATCH])).rows for i in range(0, len(seqs), BATCH)]
+    rows = [(await worker.run(batch)).rows for batch in corpus_batches(runner.tokens)]
     return np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from coalesce.kernels.calibration import BATCH, CORPUS, corpus_sequences, digest
+from coalesce.kernels.calibration import BATCH, CORPUS, corpus_batches, digest
 from coalesce.kernels.export import export_model
 from coalesce.kernels.loader import RunnerOptions, load_runner
 from coalesce.kernels.onnx_runner import MissingGraph, OnnxPairRunner, OnnxRunner, load_onnx_runner
@@ -196,8 +196,7 @@ def test_an_export_brings_its_calibration_rows_so_a_server_starts_without_embedd
         assert stored.shape == (len(CORPUS), 384) and stored.dtype == np.float32
         # Made by the final graph (after int8 quantisation), exactly as a warm-up would embed the corpus.
         runner = load_onnx_runner(str(out), name=None)
-        seqs = corpus_sequences(runner.tokens)
-        live = np.concatenate([_rows(runner, seqs[i : i + BATCH]) for i in range(0, len(seqs), BATCH)])
+        live = np.concatenate([_rows(runner, batch) for batch in corpus_batches(runner.tokens)])
         np.testing.assert_allclose(stored, live, atol=1e-5)
         assert runner.calibration is not None
     assert not np.allclose(np.load(exports["minilm"] / "calibration.npy"),
