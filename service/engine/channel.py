@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ..logs import get_logger
 
@@ -79,3 +80,42 @@ class Channel:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.FD)
         self._sock.close(linger=0)
+
+
+class Link:
+    """One end of the engine–gateway link: a DEALER socket (no linger, no high-water marks: a send never
+    waits, and nothing is kept at exit) read by one :class:`Channel`, and its monitor socket (the peer's
+    connections, ``events`` a ``zmq.EVENT_*`` mask) read by another, each event's number handed to
+    ``on_event``. Bind or connect :attr:`sock` before :meth:`start`. Event loop only."""
+
+    def __init__(self, ctx: zmq.Context[Any], name: str, on_message: Callable[[list[Any]], None],
+                 events: int, on_event: Callable[[int], None]) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self.sock.setsockopt(option, value)
+        monitor = self.sock.get_monitor_socket(events)
+        self._messages = Channel(self.sock, on_message, name)
+        self._events = Channel(
+            monitor, lambda parts: on_event(parse_monitor_message(parts)["event"]), f"{name}-monitor",
+            copy=True,
+        )
+
+    def start(self) -> None:
+        self._messages.start()
+        self._events.start()
+
+    def send(self, parts: list[Any]) -> bool:
+        """Send one multipart message now; False (logged) if it could not go."""
+        return self._messages.send(parts)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.sock.closed)
+
+    def close(self) -> None:
+        """Stop both readers and close both sockets. Idempotent."""
+        if self.sock.closed:
+            return
+        self.sock.disable_monitor()
+        self._events.close()
+        self._messages.close()

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import zmq
 from coalesce.kernels.protocol import OutputKind
-from zmq.utils.monitor import parse_monitor_message
 
 from ..batching.batcher import RequestResult
 from ..errors import CoalesceError, InferenceFailed, Unavailable
@@ -33,7 +32,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import Settings
 from . import messages as wire
-from .channel import Channel
+from .channel import Link
 from .core import Engine, EngineModel, RunnerFactory, default_factory
 
 log = get_logger("coalesce.engine")
@@ -51,13 +50,9 @@ class GatewayLink:
         self.index = index
         self._engine = engine
         self._metrics = metrics
-        self._sock = ctx.socket(zmq.DEALER)
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-            self._sock.setsockopt(option, value)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._sock.bind(address)
-        self._channel = Channel(self._sock, self._on_message, f"gateway-{index}")
-        self._events = Channel(self._monitor, self._on_event, f"gateway-{index}-monitor", copy=True)
+        self._link = Link(ctx, f"gateway-{index}", self._on_message,
+                          zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, self._on_event)
+        self._link.sock.bind(address)
         self._jobs: dict[int, asyncio.Future[RequestResult]] = {}
         self._offers: list[wire.ModelOffer] | None = None
         self._error: str | None = None
@@ -69,8 +64,7 @@ class GatewayLink:
         self._captured_at = 0.0
 
     def start(self) -> None:
-        self._channel.start()
-        self._events.start()
+        self._link.start()
 
     def welcome(self, offers: list[wire.ModelOffer] | None, error: str | None = None) -> None:
         """The models are loaded (``offers``), or failed to (``error``): tell the gateway once it is here."""
@@ -173,12 +167,12 @@ class GatewayLink:
             self._engine.record_capture()
 
     def _send(self, parts: list[Any]) -> None:
-        self._channel.send(parts)
+        self._link.send(parts)
 
     # -- the gateway's life --------------------------------------------------------------------------
-    def _on_event(self, parts: list[bytes]) -> None:
+    def _on_event(self, event: int) -> None:
         """A disconnect of this socket's peer means its gateway died: drop its queued work now."""
-        if parse_monitor_message(parts)["event"] != zmq.EVENT_DISCONNECTED:
+        if event != zmq.EVENT_DISCONNECTED:
             return
         if self._jobs:
             log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
@@ -187,9 +181,7 @@ class GatewayLink:
             fut.cancel()
 
     def close(self) -> None:
-        self._sock.disable_monitor()
-        self._events.close()
-        self._channel.close()
+        self._link.close()
 
 
 async def serve_engine(settings: Settings, factory: RunnerFactory | None = None) -> int:

@@ -21,11 +21,10 @@ import numpy as np
 import zmq
 from coalesce.kernels.protocol import OutputKind
 from coalesce.kernels.tokens import TokenizerAdapter
-from zmq.utils.monitor import parse_monitor_message
 
 from ..batching.batcher import RequestResult
 from ..engine import messages as wire
-from ..engine.channel import Channel
+from ..engine.channel import Link
 from ..errors import Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
@@ -47,12 +46,8 @@ class EngineClient:
 
     def __init__(self, endpoint: str, gateway: int, on_lost: Callable[[str], None]) -> None:
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-            self._sock.setsockopt(option, value)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._channel = Channel(self._sock, self._on_message, "engine")
-        self._events = Channel(self._monitor, self._on_event, "engine-monitor", copy=True)
+        self._link = Link(self._ctx, "engine", self._on_message,
+                          zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, self._on_event)
         self._connected = False
         self._endpoint = endpoint
         self._gateway = gateway
@@ -75,10 +70,9 @@ class EngineClient:
         """Connect, introduce this gateway, and wait for the engine's models (it may still be loading)."""
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
-        self._channel.start()
-        self._events.start()
-        self._sock.connect(self._endpoint)
-        self._channel.send([wire.encoder.encode(wire.Hello(self._gateway, os.getpid()))])
+        self._link.start()
+        self._link.sock.connect(self._endpoint)
+        self._link.send([wire.encoder.encode(wire.Hello(self._gateway, os.getpid()))])
         return await self._welcome
 
     # -- requests ------------------------------------------------------------------------------------
@@ -148,7 +142,7 @@ class EngineClient:
             self._cancels = []
 
     def _send(self, parts: list[bytes]) -> None:
-        self._channel.send(parts)
+        self._link.send(parts)
 
     # -- replies -------------------------------------------------------------------------------------
     def _on_message(self, parts: list[zmq.Frame]) -> None:
@@ -178,9 +172,8 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_exception(wire.error_from(failed.error))
 
-    def _on_event(self, parts: list[bytes]) -> None:
+    def _on_event(self, event: int) -> None:
         """The engine's socket events: a disconnect after the connection means the engine is gone."""
-        event = parse_monitor_message(parts)["event"]
         if event == zmq.EVENT_CONNECTED:
             self._connected = True
         elif (event == zmq.EVENT_DISCONNECTED and self._connected and not self._closing
@@ -214,7 +207,7 @@ class EngineClient:
 
     async def close(self) -> None:
         """Answer what still waits (503) and close the socket. Idempotent."""
-        if self._sock.closed:
+        if self._link.closed:
             return
         self._closing = True
         err = Unavailable("The server is shutting down; retry on another replica.", retry_after=1,
@@ -222,9 +215,7 @@ class EngineClient:
         for fut in list(self._waiting.values()):
             if not fut.done():
                 fut.set_exception(err)
-        self._sock.disable_monitor()
-        self._events.close()
-        self._channel.close()
+        self._link.close()
         self._ctx.term()
 
 
