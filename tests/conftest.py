@@ -203,12 +203,17 @@ def replica() -> Iterator[Callable[..., Replica]]:
 
 async def wait_all_gateways(r: Replica, n: int = 2, timeout: float = 120) -> None:
     """Ready means one gateway listens; wait until ``n`` distinct gateways have answered."""
-    await wait_ready(r.url, r.proc, timeout)
+    await wait_gateways(r.url, r.proc, n, timeout)
+
+
+async def wait_gateways(url: str, proc: subprocess.Popen[bytes], n: int, timeout: float = 120) -> None:
+    """:func:`wait_all_gateways` for a ``coalesce serve`` started otherwise."""
+    await wait_ready(url, proc, timeout)
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         while len(seen) < n and time.monotonic() < deadline:
-            async with s.get(r.url + "/ready") as resp:
+            async with s.get(url + "/ready") as resp:
                 if resp.status == 200:
                     seen.add(resp.headers["x-request-id"][:12])  # the per-process id prefix
             await asyncio.sleep(0.05)

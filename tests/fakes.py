@@ -8,16 +8,21 @@ that id raise. It runs in-process only (its tokenizer is not a real one a gatewa
 
 ``slow_minilm``: a runner factory for ``coalesce serve --runner-factory tests.fakes:slow_minilm``
 (multi-process tests): the packaged model's real tokenizer with a forward that sleeps 200 ms per batch
-and answers the same unit vector, so queues build up on demand and a gateway can tokenise.
+and answers the same unit vector, so queues build up on demand and a gateway can tokenise. With
+``SLOW_MINILM_GATE=PATH`` in its environment, a test holds its device across processes (``FileGate``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import threading
 import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -131,15 +136,37 @@ class FakeRunner:
         return self.vector(self.with_special_tokens(self.tokenize([text])[0]))
 
 
-class SlowForward:
-    """A real runner's tokenizer and facts with a forward that sleeps ``seconds`` per batch."""
+@dataclass
+class GatedFake(FakeRunner):
+    """The fake runner, whose forward waits while ``gate`` is clear (the test holds the device, so what
+    queues behind it does not depend on the machine's speed); ``entered`` is set once a forward is
+    waiting there."""
 
-    def __init__(self, inner: Any, seconds: float) -> None:
+    gate: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate.set()
+
+    def forward(self, prepared: list[list[int]]) -> list[list[int]]:
+        if not self.gate.is_set():
+            self.entered.set()
+        self.gate.wait(30)
+        return super().forward(prepared)
+
+
+class SlowForward:
+    """A real runner's tokenizer and facts with a forward that sleeps ``seconds`` per batch, after waiting
+    (at most 30 s) while the file ``gate`` exists."""
+
+    def __init__(self, inner: Any, seconds: float, gate: Path | None = None) -> None:
         self.info: ModelInfo = dataclasses.replace(inner.info, token_embeddings=False)  # pooled rows only
         self.tokens = inner.tokens
         self.device = "cpu"
         self.capture_stats = None
         self._seconds = seconds
+        self._gate = gate
         row = np.ones(self.info.dim, dtype=np.float32)
         self._row = row / np.linalg.norm(row)
 
@@ -150,6 +177,12 @@ class SlowForward:
         return len(batch)
 
     def forward(self, prepared: int) -> int:
+        gate = self._gate
+        if gate is not None and gate.exists():
+            FileGate(gate).entered.touch()
+            deadline = time.monotonic() + 30
+            while gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
         time.sleep(self._seconds)
         return prepared
 
@@ -164,4 +197,33 @@ def slow_minilm(spec: Any) -> SlowForward:
     """``--runner-factory tests.fakes:slow_minilm``: the packaged model's tokenizer, 200 ms a batch."""
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
-    return SlowForward(load_runner(spec.path, spec.name, RunnerOptions(device="cpu")), 0.2)
+    gate = os.environ.get("SLOW_MINILM_GATE")
+    runner = load_runner(spec.path, spec.name, RunnerOptions(device="cpu"))
+    return SlowForward(runner, 0.2, Path(gate) if gate else None)
+
+
+@dataclass
+class FileGate:
+    """The test's side of ``slow_minilm``'s gate, for a server in other processes: while held, a forward
+    that starts waits, so what queues behind it does not depend on the machine's speed."""
+
+    path: Path
+
+    @property
+    def entered(self) -> Path:
+        """Created by a forward that found the gate held."""
+        return self.path.with_name(self.path.name + ".entered")
+
+    def hold(self) -> None:
+        self.entered.unlink(missing_ok=True)
+        self.path.touch()
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    async def wait_entered(self, timeout: float = 20.0) -> None:
+        """Until a forward waits at the gate."""
+        deadline = time.monotonic() + timeout
+        while not self.entered.exists():
+            assert time.monotonic() < deadline, "no batch reached the held device"
+            await asyncio.sleep(0.01)

@@ -11,7 +11,7 @@ import numpy as np
 from coalesce.service.settings import build
 
 from ..conftest import metric, metrics_text
-from ..fakes import FakeRunner
+from ..fakes import FakeRunner, GatedFake
 
 
 async def post(
@@ -24,11 +24,26 @@ async def post(
         return r.status, await r.json(content_type=None), r.headers
 
 
+async def until(url: str, name: str, at_least: float, **labels: str) -> None:
+    """Poll ``/metrics`` (at most 20 s) until the samples ``name`` with ``labels`` add up to ``at_least``."""
+    for _ in range(1000):
+        if metric(await metrics_text(url), name, **labels) >= at_least:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{name} {labels} never reached {at_least}")
+
+
 async def test_flood_past_the_bound_gets_429_while_admitted_requests_complete(serve: Any) -> None:
-    runner = FakeRunner(batch_seconds=0.05)
+    runner = GatedFake()
     srv = serve(build(["--max-queued-tokens", "40", "--max-batch-size", "4"], environ={}), lambda s: runner)
     texts = [f"flood {i} a b c d e" for i in range(40)]  # 8 tokens each: at most 5 queue at once
-    results = await asyncio.gather(*(post(srv.url, {"model": "fake", "input": t}) for t in texts))
+    runner.gate.clear()  # hold the device: the flood meets a full queue whatever the machine's speed
+    try:
+        flood = asyncio.gather(*(post(srv.url, {"model": "fake", "input": t}) for t in texts))
+        await until(srv.url, "coalesce_rejected_total", 1, reason="queue_full")
+    finally:
+        runner.gate.set()
+    results = await flood
     statuses = [r[0] for r in results]
     assert set(statuses) <= {200, 429}
     assert statuses.count(429) > 0 and statuses.count(200) > 0
@@ -45,20 +60,26 @@ async def test_flood_past_the_bound_gets_429_while_admitted_requests_complete(se
 
 
 async def test_expired_deadline_is_answered_without_compute(serve: Any) -> None:
-    runner = FakeRunner(batch_seconds=0.4)
-    # The bound on queue wait off: the impatient requests must queue behind a 0.4 s batch, not be refused.
+    runner = GatedFake(batch_seconds=0.4)  # calibrates as 0.4 s a batch: a 100 ms deadline cannot be met
+    # The bound on queue wait off: the hurried request must queue behind the busy batch, not be refused.
     srv = serve(build(["--max-batch-size", "1", "--max-queue-wait-ms", "0"], environ={}), lambda s: runner)
+    runner.batch_seconds = 0.0  # the gate holds the busy batch as long as the test needs
     before = len(runner.batches)
-    busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
-    await asyncio.sleep(0.1)
-    status, body, _ = await post(
-        srv.url, {"model": "fake", "input": "in a hurry"}, headers={"X-Request-Timeout": "100"}
-    )
+    runner.gate.clear()
+    try:
+        busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
+        assert await asyncio.to_thread(runner.entered.wait, 10), "the busy request must reach the model"
+        status, body, _ = await post(
+            srv.url, {"model": "fake", "input": "in a hurry"}, headers={"X-Request-Timeout": "100"}
+        )
+    finally:
+        runner.gate.set()
     assert status in (503, 504)
     assert body["error"]["code"] in ("deadline_exceeded", "deadline_unmeetable")
     assert (await busy)[0] == 200
-    await asyncio.sleep(0.1)
-    assert len(runner.batches) - before == 1, "the hurried request must never reach the model"
+    # One batch at a time, in order: had the hurried input stayed queued, it would run before this one.
+    assert (await post(srv.url, {"model": "fake", "input": "after"}))[0] == 200
+    assert len(runner.batches) - before == 2, "the hurried request must never reach the model"
     text = await metrics_text(srv.url)
     assert (
         sum(metric(text, "coalesce_rejected_total", reason=r) for r in ("expired", "deadline_unmeetable"))
@@ -80,17 +101,24 @@ async def test_a_deadline_that_passes_mid_batch_is_answered_504_at_once(serve: A
 
 
 async def test_disconnected_clients_inputs_are_not_computed(serve: Any) -> None:
-    runner = FakeRunner(batch_seconds=0.4)
-    # The bound on queue wait off: the impatient requests must queue behind a 0.4 s batch, not be refused.
+    runner = GatedFake()
+    # The bound on queue wait off: the impatient requests must queue behind the busy batch, not be refused.
     srv = serve(build(["--max-batch-size", "1", "--max-queue-wait-ms", "0"], environ={}), lambda s: runner)
     before = len(runner.batches)
-    busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
-    await asyncio.sleep(0.1)
-    gone = await asyncio.gather(
-        *(post(srv.url, {"model": "fake", "input": f"impatient {i}"}, timeout=0.1) for i in range(3)),
-        return_exceptions=True,
-    )
-    assert all(isinstance(g, asyncio.TimeoutError | aiohttp.ClientError) for g in gone)
+    runner.gate.clear()  # hold the device until the impatient clients are gone, however long that takes
+    try:
+        busy = asyncio.ensure_future(post(srv.url, {"model": "fake", "input": "keeps the model busy"}))
+        assert await asyncio.to_thread(runner.entered.wait, 10), "the busy request must reach the model"
+        bodies = [{"model": "fake", "input": f"impatient {i}"} for i in range(3)]
+        impatient = [asyncio.ensure_future(post(srv.url, body)) for body in bodies]
+        await until(srv.url, "coalesce_queue_depth", 3)
+        for call in impatient:
+            call.cancel()  # each client hangs up while its input waits
+        gone = await asyncio.gather(*impatient, return_exceptions=True)
+        assert all(isinstance(g, asyncio.CancelledError) for g in gone)
+        await until(srv.url, "coalesce_rejected_total", 3, reason="cancelled")
+    finally:
+        runner.gate.set()
     assert (await busy)[0] == 200
     status, _, _ = await post(srv.url, {"model": "fake", "input": "after"})
     assert status == 200

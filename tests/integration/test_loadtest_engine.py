@@ -42,24 +42,33 @@ async def test_closed_loop_hides_the_queue_that_open_loop_shows() -> None:
     # One stall of 0.6 s in a fast serial server. A single closed-loop client waits it out once; open
     # loop keeps sending on schedule, so every request due during the stall reports part of it.
     cfg = StubConfig(service_ms=5.0, serial=True, pause_on=60, pause_s=0.6)
+    stall_ms = cfg.pause_s * 1000
     open_ = (await _run(cfg, Scenario(mode=Mode.OPEN, rate=50, duration=3.0, warmup=0.0))).steps[0]
     closed = (await _run(cfg, Scenario(mode=Mode.CLOSED, concurrency=1, duration=2.0, warmup=0.0))).steps[0]
     assert open_.latency is not None and closed.latency is not None
     assert open_.latency.p90_ms > 100  # ~20% of requests were due during the stall
-    assert closed.latency.p90_ms < 50
+    # Closed loop: only the request that hit the stall saw it (a few ms each otherwise, more on a loaded
+    # machine); a generator that carried the stall into later requests puts p90 near the stall itself.
+    assert closed.latency.p90_ms < stall_ms / 4
     assert closed.latency.max_ms > 500  # the stall itself was seen by the one request that hit it
 
 
 async def test_achieved_rate_is_within_five_percent_of_the_asked_rate() -> None:
+    service_ms = 10.0
     result = await _run(
-        StubConfig(service_ms=10.0), Scenario(mode=Mode.OPEN, rate=100, duration=3.0, warmup=0.5)
+        StubConfig(service_ms=service_ms), Scenario(mode=Mode.OPEN, rate=100, duration=3.0, warmup=0.5)
     )
     step = result.steps[0]
     assert step.requests == 300
     assert step.ok == 300
     assert math.isclose(step.achieved_rps, 100, rel_tol=0.05), step.achieved_rps
-    assert step.send_lag is not None and step.send_lag.p50_ms < 5
-    assert step.latency is not None and 10 <= step.latency.p50_ms < 60
+    assert step.send_lag is not None and step.latency is not None
+    # Latency counts from the scheduled send: the generator's lateness plus the server's time (service_ms
+    # and up). On time, the lateness is the smaller part on any machine; a generator that drifts or waits
+    # for answers before sending falls further behind with every request, and its lateness becomes most
+    # of the latency (hundreds of ms by the end of the run).
+    assert step.send_lag.p50_ms < step.latency.p50_ms / 2, (step.send_lag, step.latency)
+    assert service_ms <= step.latency.p50_ms < 10 * service_ms, step.latency
 
 
 async def test_rejections_and_errors_are_counted_by_status() -> None:
@@ -122,9 +131,12 @@ async def test_ramp_stops_at_the_first_rate_that_breaks_the_target() -> None:
     result = await _run(
         StubConfig(service_ms=SERVICE_MS, serial=True),
         Scenario(
-            mode=Mode.RAMP, rate=20, ramp_step=20, max_rate=100, step_duration=1.5, warmup=0.3, p99_ms=150
+            mode=Mode.RAMP, rate=20, ramp_step=20, max_rate=100, step_duration=1.5, warmup=0.3, p99_ms=300
         ),
     )
+    # The target sits between what the stub's sleeps allow: at 20/s a p99 of about 100 ms (a few
+    # arrivals bunch up; more on a loaded machine), at 60/s a backlog that grows for the whole step
+    # (10/s past capacity: p99 ~600 ms however fast the machine is).
     rates = [s.offered_rps for s in result.steps]
     assert rates[0] == 20 and len(rates) < 5  # 60/s exceeds the 50/s the stub can do
     assert result.max_rps_within_slo is not None and 20 <= result.max_rps_within_slo < 60

@@ -200,8 +200,11 @@ def test_compare_runs_each_contender_and_reports_ratios(
 
 
 def test_selftest_measures_the_generator_ceiling() -> None:
-    c = selftest.measure_ceiling(duration=0.3, concurrency=16)
-    assert c.closed_rps > 200  # an instant stub on loopback; real figures are in the thousands
+    duration = 0.3
+    c = selftest.measure_ceiling(duration=duration, concurrency=16)
+    # An instant stub on loopback: thousands a second on an idle machine, a few hundred on a loaded one.
+    # Either way each client completes requests within the window; a rate per ms does not read so.
+    assert c.closed_rps * duration >= c.concurrency, c.closed_rps
     assert c.tried and c.tried[0][0] == pytest.approx(round(c.closed_rps * 0.25))
     assert "Closed loop, 16 clients" in selftest.render(c)
 

@@ -5,10 +5,8 @@ and our own client — including under a storm of 429s. (Cohere's clients: test_
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -18,7 +16,7 @@ from coalesce.service.client import APIError, AsyncClient, Client
 from coalesce.service.settings import build
 
 from ..conftest import ServerThread
-from ..fakes import FakeRunner
+from ..fakes import FakeRunner, GatedFake
 from .tiny_models import metric, shared_server, stop_shared_server
 
 EMBEDDER = "all-MiniLM-L6-v2"
@@ -142,25 +140,6 @@ def test_our_async_client(server: ServerThread, st_model: Any) -> None:
     asyncio.run(go())
 
 
-@dataclass
-class GatedFake(FakeRunner):
-    """The fake runner, whose forward waits while ``gate`` is clear (the test holds the device);
-    ``entered`` is set once a forward is waiting there."""
-
-    gate: threading.Event = field(default_factory=threading.Event)
-    entered: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate.set()
-
-    def forward(self, prepared: list[list[int]]) -> list[list[int]]:
-        if not self.gate.is_set():
-            self.entered.set()
-        self.gate.wait(30)
-        return super().forward(prepared)
-
-
 def test_our_client_splits_to_the_servers_cap(serve: Any) -> None:
     fake = FakeRunner()
     srv = serve(build(["--max-inputs", "4"], environ={}), lambda spec: fake)
@@ -209,8 +188,8 @@ def test_our_client_rides_out_a_429_storm(serve: Any) -> None:
     assert retries, "the storm must have been refused at least once"
     for err, wait in retries:
         assert err.status == 429 and err.code == "queue_full"
-        assert err.retry_after is not None and err.retry_after >= 1
-        assert wait >= err.retry_after  # Retry-After honoured
+        assert err.retry_after is not None and err.retry_after > 0  # retry-after-ms: exact, may be < 1 s
+        assert wait >= err.retry_after  # the hint honoured
 
 
 def test_our_client_surfaces_the_429_once_its_retries_are_spent(serve: Any) -> None:
@@ -242,4 +221,4 @@ def test_our_client_surfaces_the_429_once_its_retries_are_spent(serve: Any) -> N
     err, elapsed = asyncio.run(hold_and_try())
     assert err.status == 429 and err.code == "queue_full"
     assert "tokens are waiting" in err.message and "retry later" in err.message
-    assert elapsed >= 1.0  # it waited Retry-After (≥ 1 s) once before giving up
+    assert err.retry_after is not None and elapsed >= err.retry_after  # it waited the hint once

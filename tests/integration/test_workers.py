@@ -25,11 +25,30 @@ import numpy as np
 import pytest
 from coalesce.loadtests import procs
 
-from ..conftest import REPO, metric, roles, wait_all_gateways, wait_ready
+from ..conftest import REPO, metric, metrics_text, roles, wait_all_gateways, wait_ready
+from ..fakes import FileGate
 
 MODEL = "all-MiniLM-L6-v2"
 # The real tokenizer, 200 ms a batch; backlogs are the point here, so the queue-wait bound is off.
 SLOW = ["--runner-factory", "tests.fakes:slow_minilm", "--max-queue-wait-ms", "0"]
+
+
+@pytest.fixture
+def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FileGate:
+    """The device gate of the ``slow_minilm`` servers this test starts (they inherit the environment):
+    while the test holds it, batches wait, so what queues behind them does not depend on timing."""
+    monkeypatch.setenv("SLOW_MINILM_GATE", str(tmp_path / "gate"))
+    return FileGate(tmp_path / "gate")
+
+
+async def until(url: str, name: str, at_least: float, model: str | None = None, **labels: str) -> str:
+    """Poll ``/metrics`` (at most 20 s) until ``name`` reaches ``at_least``; the scrape that showed it."""
+    for _ in range(1000):
+        text = await metrics_text(url)
+        if metric(text, name, model, **labels) >= at_least:
+            return text
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{name} {labels} never reached {at_least}")
 
 
 async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_model: Any) -> None:
@@ -128,8 +147,8 @@ def _shape(status: int, body: dict[str, Any], headers: Any) -> tuple[Any, ...]:
     return status, err["type"], err["code"], err["param"], message, "Retry-After" in headers
 
 
-async def _refusals(url: str) -> dict[str, tuple[Any, ...]]:
-    """Provoke each refusal: a 200 ms batch holds the model while the rest arrive."""
+async def _refusals(url: str, gate: FileGate) -> dict[str, tuple[Any, ...]]:
+    """Provoke each refusal: a held batch keeps the model busy while the rest arrive."""
     long_text = " ".join(["word"] * 30)  # 32 tokens with [CLS] and [SEP]
     other_long = " ".join(["page"] * 30)  # as long, but not the same input (that would wait for it)
     mid_text = " ".join(["word"] * 18)  # 20 tokens
@@ -148,11 +167,15 @@ async def _refusals(url: str) -> dict[str, tuple[Any, ...]]:
             ("tenant_queue_full", mid_text, other_long, {"X-Tenant": "t"}, {"X-Tenant": "t"}),
             ("deadline_unmeetable", long_text, "a short query", {}, {"X-Request-Timeout": "60"}),
         ):
-            busy = asyncio.ensure_future(post("holds the model", **first))
-            await asyncio.sleep(0.05)
-            queued = asyncio.ensure_future(post(waiting, **first))
-            await asyncio.sleep(0.05)
-            status, body, headers = await post(refused, **then)
+            gate.hold()
+            try:
+                busy = asyncio.ensure_future(post("holds the model", **first))
+                await gate.wait_entered()
+                queued = asyncio.ensure_future(post(waiting, **first))
+                await until(url, "coalesce_queue_depth", 1)
+                status, body, headers = await post(refused, **then)
+            finally:
+                gate.release()
             assert status in (429, 503), (name, status, body)
             assert body["error"]["code"] == name, body
             out[name] = _shape(status, body, headers)
@@ -160,39 +183,45 @@ async def _refusals(url: str) -> dict[str, tuple[Any, ...]]:
     return out
 
 
-async def test_every_refusal_reads_as_in_one_process(replica: Any) -> None:
-    flags = [*SLOW, "--max-queued-tokens", "60", "--tenant-max-queued-tokens", "30"]
+async def test_every_refusal_reads_as_in_one_process(replica: Any, gate: FileGate) -> None:
+    # No cache: each case's busy and waiting inputs must be computed, not answered from an earlier case.
+    flags = [*SLOW, "--max-queued-tokens", "60", "--tenant-max-queued-tokens", "30", "--cache-mb", "0"]
     one, two = replica(1, flags), replica(2, flags)
     await wait_ready(one.url, one.proc)
     await wait_all_gateways(two)
-    assert await _refusals(one.url) == await _refusals(two.url)
+    assert await _refusals(one.url, gate) == await _refusals(two.url, gate)
 
 
-async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(replica: Any) -> None:
+async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(
+    replica: Any, gate: FileGate
+) -> None:
     r = replica(2, SLOW)
     await wait_all_gateways(r)
     async with aiohttp.ClientSession() as s:
-        busy = asyncio.ensure_future(s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": "busy"}))
-        await asyncio.sleep(0.05)
-        leaver = asyncio.ensure_future(
-            s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": [f"gone {i}" for i in range(5)]})
-        )
-        await asyncio.sleep(0.05)
-        leaver.cancel()  # the client hangs up while its inputs wait behind the busy batch
+        gate.hold()
+        try:
+            busy = asyncio.ensure_future(
+                s.post(r.url + "/v1/embeddings", json={"model": MODEL, "input": "busy"})
+            )
+            await gate.wait_entered()
+            leaver = asyncio.ensure_future(s.post(
+                r.url + "/v1/embeddings", json={"model": MODEL, "input": [f"gone {i}" for i in range(5)]}
+            ))
+            await until(r.url, "coalesce_queue_depth", 5)
+            leaver.cancel()  # the client hangs up while its inputs wait behind the busy batch
+            await until(r.url, "coalesce_rejected_total", 5, MODEL, reason="cancelled")
+        finally:
+            gate.release()
         assert (await busy).status == 200
-        text = ""
-        for _ in range(100):
-            async with s.get(r.url + "/metrics") as resp:
-                text = await resp.text()
-            if 'reason="cancelled"' in text:
-                break
-            await asyncio.sleep(0.05)
+    text = await metrics_text(r.url)
     assert metric(text, "coalesce_rejected_total", MODEL, reason="cancelled") == 5
     assert metric(text, "coalesce_inputs_total", MODEL) == 1, "never computed"
 
 
-async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica_down(replica: Any) -> None:
-    r = replica(2, [*SLOW, "--max-batch-size", "1"])  # 8 requests: 1.6 s of work, most in flight at the kill
+async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica_down(
+    replica: Any, gate: FileGate
+) -> None:
+    r = replica(2, [*SLOW, "--max-batch-size", "1"])  # 8 requests, the first held on the device at the kill
     await wait_all_gateways(r)
     engine = roles(r.proc.pid)["engine"][0]
     async with aiohttp.ClientSession() as s:
@@ -203,10 +232,15 @@ async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica
                               headers={"X-Request-Timeout": "30000"}) as resp:
                 return resp.status, await resp.json(), time.monotonic()
 
-        in_flight = [asyncio.ensure_future(embed(i)) for i in range(8)]
-        await asyncio.sleep(0.3)
-        killed = time.monotonic()
-        os.kill(engine, signal.SIGKILL)
+        gate.hold()
+        try:
+            in_flight = [asyncio.ensure_future(embed(i)) for i in range(8)]
+            await gate.wait_entered()
+            await until(r.url, "coalesce_inflight_requests", 8 + 1)  # and the scrape asking
+            killed = time.monotonic()
+            os.kill(engine, signal.SIGKILL)
+        finally:
+            gate.release()
         answers = await asyncio.gather(*in_flight)
     for status, body, at in answers:
         if status == 200:
@@ -219,7 +253,7 @@ async def test_an_engine_that_dies_is_answered_503_at_once_and_takes_the_replica
 
 
 async def test_a_gateway_that_dies_has_its_queued_work_dropped_and_takes_the_replica_down(
-    replica: Any,
+    replica: Any, gate: FileGate
 ) -> None:
     r = replica(2, [*SLOW, "--max-batch-size", "2"])  # 10 inputs a second: work stays queued
     await wait_all_gateways(r)
@@ -227,13 +261,14 @@ async def test_a_gateway_that_dies_has_its_queued_work_dropped_and_takes_the_rep
     engine = roles(r.proc.pid)["engine"][0]
     # Many connections, so the kernel hands some to each gateway; each request queues 4 inputs.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-        tasks = [
-            asyncio.ensure_future(s.post(r.url + "/v1/embeddings",
-                                         json={"model": MODEL, "input": [f"q {n} {i}" for i in range(4)]}))
-            for n in range(16)
-        ]
-        await asyncio.sleep(0.5)
-        os.kill(victim, signal.SIGKILL)
+        gate.hold()
+        try:
+            bodies = [{"model": MODEL, "input": [f"q {n} {i}" for i in range(4)]} for n in range(16)]
+            tasks = [asyncio.ensure_future(s.post(r.url + "/v1/embeddings", json=b)) for b in bodies]
+            await until(r.url, "coalesce_queue_depth", 60)  # of 64 inputs, 2 held on the device
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            gate.release()
         await asyncio.gather(*tasks, return_exceptions=True)
     assert await asyncio.to_thread(r.proc.wait, 60) == 1
     assert not Path(f"/proc/{engine}").exists(), "the engine must be stopped too"

@@ -63,3 +63,21 @@ def test_the_fit_is_never_more_than_a_sixteenth_of_the_window_behind() -> None:
         if i >= 3:
             assert model.predict(1000) < before
             break
+
+
+def test_the_fit_does_not_depend_on_the_order_of_its_sums() -> None:
+    # The same window in another order must give the same coefficients to the last bit: a BLAS dot
+    # product's summation order depends on the CPU's kernel (OPENBLAS_CORETYPE), and so would a decision
+    # that compares two predicted times. Exactly rounded sums make the order irrelevant.
+    rng = random.Random(7)
+    points = [(rng.randint(16, 8192), 0.004 + 2e-5 * rng.randint(16, 8192) * rng.uniform(0.9, 1.1))
+              for _ in range(48)]
+    fits = set()
+    for seed in range(6):
+        shuffled = points[:]
+        random.Random(seed).shuffle(shuffled)
+        model = CostModel(window=64)
+        for tokens, seconds in shuffled:
+            model.observe(tokens, seconds)
+        fits.add((model.coef.overhead_s, model.coef.per_token_s))
+    assert len(fits) == 1
