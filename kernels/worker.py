@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
@@ -20,10 +20,14 @@ from .protocol import OutputKind, Runner, TokenRunner
 
 
 class DeviceThread:
-    """The single thread that owns a device: every forward, finish and warm-up runs here."""
+    """The single thread that owns a device: every forward, finish and warm-up runs here.
 
-    def __init__(self, name: str = "device") -> None:
+    ``after_batch``, when given, is called on this thread after every batch's forward (it must be quick:
+    the next batch waits for it); the engine passes the allocator's trimmer here."""
+
+    def __init__(self, name: str = "device", after_batch: Callable[[], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-{name}")
+        self.after_batch = after_batch
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -75,6 +79,8 @@ class ModelWorker:
             rows = runner.finish_tokens(runner.forward_tokens(prepared), prepared)
         else:
             rows = self.runner.finish(self.runner.forward(prepared), prepared)
+        if self._device.after_batch is not None:
+            self._device.after_batch()
         return rows, time.perf_counter() - t0
 
     def _prepare_and_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> BatchOutput:

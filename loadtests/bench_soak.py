@@ -12,7 +12,9 @@ every second. Checked, each against its target:
   answer, but one the server should have given at once, as a 503);
 * the p99 of admitted requests (200s), in every phase, within ``--target-latency-ms``;
 * resident memory at the end within 10% of its level after the first minute (half the run when
-  shorter): a leak shows as growth that overload on and off does not explain;
+  shorter), and within 2% of its level a minute before the end: a leak, or an allocator that keeps
+  what varying shapes leave behind (glibc's malloc: ``service/allocator.py``), shows as growth that
+  overload on and off does not explain. The allocator the server runs on is read from its memory map;
 * open descriptors back to their idle count (after the capacity probe, before the soak) once the
   load's connections have closed.
 
@@ -25,6 +27,7 @@ import argparse
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -39,7 +42,8 @@ from coalesce.loadtests.workload import Mix
 
 LOW, HIGH = 0.5, 2.0  # of capacity
 PHASE_S = 30.0
-RSS_GROWTH = 0.10
+RSS_GROWTH = 0.10  # end ÷ after the first minute
+RSS_LAST_MINUTE = 0.02  # end ÷ a minute before the end
 ANSWERED = {"200", "429", "503"}  # 429 and 503 only with Retry-After
 CLIENT_TIMEOUT_S = 60.0
 
@@ -87,6 +91,59 @@ class Sampler:
         return next((s for s in self.samples if s[0] >= seconds), self.samples[-1])
 
 
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Resident memory of a run's process tree: at the first sample, after ``reference_s``, ``window_s``
+    before the end (a minute, or half the run when shorter), and at the end, in bytes."""
+
+    reference_s: float
+    window_s: float  # "a minute before the end": 60 s, or half the run when shorter
+    start: int
+    reference: int
+    minute_before: int
+    end: int
+
+    @classmethod
+    def of(cls, sampler: Sampler, reference_s: float = 60.0) -> Memory:
+        last_s = sampler.samples[-1][0]
+        window_s = min(60.0, last_s / 2)
+        return cls(reference_s, window_s, sampler.samples[0][1], sampler.at(reference_s)[1],
+                   sampler.at(max(0.0, last_s - window_s))[1], sampler.samples[-1][1])
+
+    @property
+    def growth(self) -> float:
+        """End ÷ after ``reference_s``, less one."""
+        return self.end / self.reference - 1 if self.reference else float("nan")
+
+    @property
+    def last_minute(self) -> float:
+        """End ÷ a minute before the end, less one."""
+        return self.end / self.minute_before - 1 if self.minute_before else float("nan")
+
+    def checks(self) -> list[list[str]]:
+        """The two memory rows of a figures table (``figure, target, measured, met``)."""
+        mib = 2**20
+        return [
+            [f"resident memory, end ÷ after {self.reference_s:g} s", f"≤ +{RSS_GROWTH:.0%}",
+             f"{self.end / mib:,.0f} ÷ {self.reference / mib:,.0f} MiB ({self.growth:+.1%}; "
+             f"{self.start / mib:,.0f} MiB when the load began)", _met(self.growth <= RSS_GROWTH)],
+            [f"resident memory, end ÷ {self.window_s:.0f} s before", f"≤ +{RSS_LAST_MINUTE:.0%}",
+             f"{self.end / mib:,.0f} ÷ {self.minute_before / mib:,.0f} MiB ({self.last_minute:+.1%})",
+             _met(self.last_minute <= RSS_LAST_MINUTE)],
+        ]
+
+
+def allocator_of(pid: int) -> str:
+    """The allocator a server process runs on, from its memory map: jemalloc, tcmalloc or glibc."""
+    from coalesce.service.allocator import mapped
+
+    try:
+        found = mapped(Path(f"/proc/{pid}/maps").read_text())
+    except OSError:
+        return "unknown"
+    return found[0] if found else "glibc"
+
+
 def settled_fds(pid: int, at_most: int | None = None, timeout: float = 30.0) -> int:
     """Open descriptors once they stop changing for 2 s (or fall to ``at_most``), within ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -121,6 +178,7 @@ def soak(args: argparse.Namespace) -> tuple[str, str]:
         probe = Scenario(mode=Mode.CLOSED, concurrency=64, duration=15.0, warmup=3.0, mix=Mix.SHORT)
         capacity = _run(srv.url, probe, "capacity", out).achieved_rps
         idle_fds = settled_fds(srv.proc.pid)
+        malloc = allocator_of(srv.proc.pid)
         rates = (round(LOW * capacity, 1), round(HIGH * capacity, 1))
         # Another seed than the probe's: the same texts again would be answered by the result cache.
         scenario = Scenario(mode=Mode.ALTERNATE, rates=rates, step_duration=phase_s, duration=seconds,
@@ -140,9 +198,7 @@ def soak(args: argparse.Namespace) -> tuple[str, str]:
     lost = sum(v for k, v in statuses.items() if not k.isdigit())  # reset, client timeout, bad body
     unwelcome = sum(v for k, v in statuses.items() if k.isdigit() and k not in ANSWERED) + bare
     worst = max((st.latency.p99_ms for st in steps if st.latency), default=float("nan"))
-    _, rss_ref, _ = sampler.at(reference_s)
-    _, rss_end, _ = sampler.samples[-1]
-    growth = rss_end / rss_ref - 1 if rss_ref else float("nan")
+    memory = Memory.of(sampler, reference_s)
     peak_fds = max(s[2] for s in sampler.samples)
     by_status = ", ".join(f"{k}×{v:,}" for k, v in sorted(statuses.items()))
     checks = [
@@ -152,9 +208,7 @@ def soak(args: argparse.Namespace) -> tuple[str, str]:
          f"{unwelcome:,} ({by_status}; {bare} refusals without Retry-After)", _met(unwelcome == 0)],
         ["p99 of admitted requests, worst phase", f"≤ {target:g} ms", f"{worst:,.1f} ms",
          _met(worst <= target)],
-        [f"resident memory, end ÷ after {reference_s:g} s", f"≤ +{RSS_GROWTH:.0%}",
-         f"{rss_end / 2**20:,.0f} ÷ {rss_ref / 2**20:,.0f} MiB ({growth:+.1%}; {rss_idle / 2**20:,.0f} MiB "
-         "idle after the load)", _met(growth <= RSS_GROWTH)],
+        *memory.checks(),
         ["open descriptors after the load ÷ idle", "back to idle",
          f"{after_fds} ÷ {idle_fds} (peak {peak_fds})", _met(after_fds <= idle_fds)],
     ]
@@ -163,7 +217,9 @@ def soak(args: argparse.Namespace) -> tuple[str, str]:
         f"{args.soak_minutes:g} min of open-loop Poisson arrivals alternating {rates[0]:g} and {rates[1]:g} "
         f"req/s ({LOW:g}× and {HIGH:g}× capacity) every {phase_s:g} s, mix `short`, against "
         f"`--target-latency-ms {target:g}`; latency from scheduled send time; the server's memory and "
-        f"descriptors sampled every second (`loadtests/bench_soak.py`). Generator: {result.generator.note}."
+        f"descriptors sampled every second (`loadtests/bench_soak.py`); the server runs on {malloc} "
+        f"(default flags; `--allocator`), and held {rss_idle / 2**20:,.0f} MiB idle after the load. "
+        f"Generator: {result.generator.note}."
         "\n\n"
         + markdown_table(["figure", "target", "measured", ""], checks)
         + "\n\n"

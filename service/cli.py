@@ -47,11 +47,16 @@ def _serve(argv: list[str]) -> int:
     )
     settings_mod.add_arguments(parser)
     settings = settings_mod.from_args(parser.parse_args(argv))
+    # Before torch is imported and before any thread starts: may re-execute this process on jemalloc.
+    from .allocator import prepare
+
+    memory = prepare(settings.allocator, argv)
     from .gateway.server import run
-    from .logs import configure
+    from .logs import configure, get_logger
 
     process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
     configure(settings.log_level, settings.log_format, process)
+    get_logger("coalesce.allocator").info("allocator", **memory.fields())
     return run(settings, argv)
 
 

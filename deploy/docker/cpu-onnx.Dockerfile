@@ -48,6 +48,12 @@ FROM ${PYTHON_IMAGE}
 RUN groupadd --system --gid 10001 coalesce \
  && useradd --system --uid 10001 --gid coalesce --home-dir /home/coalesce --create-home \
         --shell /usr/sbin/nologin coalesce
+# jemalloc for the server's memory (service/allocator.py): glibc's malloc keeps what tensors of
+# ever-changing shapes leave behind, so a replica's resident memory creeps up under varying load (+36% in
+# three minutes of alternating load, still rising); jemalloc's background purge keeps it level.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libjemalloc2 \
+ && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY deploy/docker/onnx-runtime.txt /tmp/onnx-runtime.txt
@@ -64,9 +70,16 @@ RUN HF_HUB_OFFLINE=1 /opt/venv/bin/python -c "import sys; from coalesce.kernels.
  && /opt/venv/bin/coalesce --help > /dev/null
 # PORT: the server listens on 0.0.0.0:$PORT; Cloud Run and Knative set it themselves.
 # COALESCE_BACKEND/COALESCE_MODEL: serve the exported directory with ONNX Runtime.
+# LD_PRELOAD/MALLOC_CONF: every process runs on jemalloc (the bare name resolves on any architecture),
+# tuned for a server: unused pages purged by a background thread (an idle replica gives memory back too)
+# after about a second, straight to the system (muzzy_decay_ms:0: MADV_FREE pages would still count as
+# resident), over at most 4 arenas. `coalesce serve` logs it (the `allocator` line); --allocator's `auto`
+# finds it already loaded and does nothing more.
 # Caches go under /tmp, the one path the Kubernetes manifests keep writable (read-only root there).
 ENV PATH=/opt/venv/bin:$PATH \
     PORT=8080 \
+    LD_PRELOAD=libjemalloc.so.2 \
+    MALLOC_CONF=background_thread:true,narenas:4,dirty_decay_ms:1000,muzzy_decay_ms:0 \
     COALESCE_BACKEND=onnx \
     COALESCE_MODEL=/models/all-MiniLM-L6-v2 \
     HF_HUB_OFFLINE=1 \

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from ..logs import get_logger
+from ..metrics import write_processes
 from ..settings import Settings
 
 log = get_logger("coalesce.workers")
@@ -96,6 +97,9 @@ def supervise(settings: Settings, argv: Sequence[str]) -> int:
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
             gateways[child.pid] = child
+        names = {os.getpid(): "supervisor", engine.pid: "engine"}
+        names.update((pid, f"gateway-{i}") for i, pid in enumerate(gateways))
+        write_processes(metrics_dir, names)  # each process's resident memory in /metrics
         if signalled:  # a signal came while children were starting: make sure each gateway has it
             stop_gateways(signal.SIGTERM)
         log.info("workers_started", engine=engine.pid, gateways=sorted(gateways))

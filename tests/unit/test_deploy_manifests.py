@@ -35,6 +35,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from coalesce.service.allocator import JEMALLOC_CONF, JEMALLOC_SONAME
 from coalesce.service.settings import Settings, env_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +68,11 @@ DOCUMENTED_CONCURRENCY = 32  # replaced by `coalesce plan`'s output in a real de
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 CLOUD_RUN_SIGTERM_TO_SIGKILL_S = 10.0
 MIN_STARTUP_BUDGET_S = 60  # a cold node imports torch and loads the model before /ready turns 200
+# Resident memory measured on CPU, on jemalloc (issue 24): level under varying load with the result cache
+# and oneDNN's kernel cache at their bounds (490 + 64 + 32 MiB), and the peak of the largest batch
+# (64 x 256 tokens) in a server with both caches full. Requests must cover the first, limits the second.
+MEASURED_LEVEL_MIB = 590
+MEASURED_PEAK_MIB = 900
 # Environment variables Knative and Cloud Run set themselves and refuse in a manifest.
 SERVING_RESERVED_ENV = {"PORT", "K_SERVICE", "K_CONFIGURATION", "K_REVISION"}
 # Knative Serving's autoscaling annotations (the kebab-case names; set on the revision template).
@@ -199,6 +205,16 @@ def cpu_cores(quantity: str | int | float) -> float:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
+def mebibytes(quantity: str | int) -> float:
+    """A Kubernetes memory quantity (``768Mi``, ``2Gi``, ``1G``, bytes) in MiB."""
+    text = str(quantity)
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    for suffix, factor in units.items():
+        if text.endswith(suffix) and text[: -len(suffix)].replace(".", "", 1).isdigit():
+            return float(text[: -len(suffix)]) * factor / 2**20
+    return float(text) / 2**20
+
+
 def shutdown_budget_s(container: Manifest) -> float:
     """Seconds from SIGTERM to exit in the worst case: grace, then drain (env or server defaults)."""
     env = env_of(container)
@@ -312,8 +328,15 @@ def container_problems(container: Manifest, *, platform: str) -> list[str]:
         problems.append("no CPU request or limit")
     elif "OMP_NUM_THREADS" not in env or float(env["OMP_NUM_THREADS"]) != cpu_cores(cpu):
         problems.append(f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')} does not match {cpu} CPU")
-    if not resources.get("limits", {}).get("memory"):
+    limit, request = resources.get("limits", {}).get("memory"), resources.get("requests", {}).get("memory")
+    if not limit:
         problems.append("no memory limit")
+    elif mebibytes(limit) < MEASURED_PEAK_MIB:
+        problems.append(f"memory limit {limit} is below the measured peak, {MEASURED_PEAK_MIB} MiB")
+    if request and mebibytes(request) < MEASURED_LEVEL_MIB:
+        problems.append(f"memory request {request} is below the measured level, {MEASURED_LEVEL_MIB} MiB")
+    if request and limit and mebibytes(request) > mebibytes(limit):
+        problems.append(f"memory request {request} exceeds the limit {limit}")
     if ":" not in container.get("image", "").rsplit("/", 1)[-1]:
         problems.append(f"image {container.get('image')!r} has no tag")
     return problems
@@ -470,6 +493,20 @@ def dockerfile_problems(path: Path, text: str | None = None) -> list[str]:
             problems.append("the model is loaded in a stage the final image does not include")
         if installs and instructions.index(installs[0]) > instructions.index(bake[0]):
             problems.append("the model is loaded before the project is installed")
+
+    # The allocator (issue 24): jemalloc installed in the final stage, then preloaded with the server's
+    # options (service/allocator.py's, so the image and `make serve` run alike).
+    jemalloc = [i for i in final_stage
+                if i.keyword == "RUN" and re.search(r"apt-get install .*\blibjemalloc2\b", i.args)]
+    if not jemalloc:
+        problems.append("the final stage does not install libjemalloc2: the server runs on glibc's malloc")
+    if final_env.get("LD_PRELOAD") != JEMALLOC_SONAME:
+        problems.append(f"LD_PRELOAD={final_env.get('LD_PRELOAD')}, expected {JEMALLOC_SONAME}")
+    if final_env.get("MALLOC_CONF") != JEMALLOC_CONF:
+        problems.append(f"MALLOC_CONF={final_env.get('MALLOC_CONF')}, expected the server's {JEMALLOC_CONF}")
+    preload = next((i for i in final_stage if i.keyword == "ENV" and "LD_PRELOAD" in env_pairs(i.args)), None)
+    if jemalloc and preload and final_stage.index(jemalloc[0]) > final_stage.index(preload):
+        problems.append("LD_PRELOAD is set before libjemalloc2 is installed: the steps between warn")
 
     ignore_path = path.with_name(path.name + ".dockerignore")
     ignore_text = ignore_path.read_text() if ignore_path.exists() else ""
@@ -956,6 +993,20 @@ def test_a_shutdown_that_outlasts_the_grace_period_is_caught() -> None:
     assert any("SIGKILL would cut the drain" in p for p in deployment_problems(deployment, 10001))
 
 
+def test_memory_below_the_measured_figures_is_caught() -> None:
+    assert (mebibytes("768Mi"), mebibytes("1.5Gi"), mebibytes("1G"), mebibytes(2**20)) == (
+        768, 1536, 1e9 / 2**20, 1)
+    container = k8s("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    container["resources"]["limits"]["memory"] = "512Mi"
+    container["resources"]["requests"]["memory"] = "256Mi"
+    problems = container_problems(container, platform="kubernetes")
+    assert any("below the measured peak" in p for p in problems)
+    assert any("below the measured level" in p for p in problems)
+    assert not any("exceeds the limit" in p for p in problems)
+    container["resources"]["requests"]["memory"] = "2Gi"
+    assert any("exceeds the limit" in p for p in container_problems(container, platform="kubernetes"))
+
+
 def test_misspelled_annotations_and_fields_are_caught() -> None:
     service = one(KNATIVE_FILE, "Service")
     annotations = service["spec"]["template"]["metadata"]["annotations"]
@@ -986,6 +1037,9 @@ def test_dockerfile_mistakes_are_caught() -> None:
         "EXPOSE 8080": ("EXPOSE 8000", "does not include 8080"),
         "COPY kernels ./kernels": ("COPY kernel ./kernels", "COPY kernel: not in the repository"),
         "HF_HUB_OFFLINE=1 python -c": ("python -c", "no build step loads"),
+        "--no-install-recommends libjemalloc2": ("--no-install-recommends curl", "not install libjemalloc2"),
+        "LD_PRELOAD=libjemalloc.so.2 ": ("LD_PRELOAD=libtcmalloc.so.4 ", "LD_PRELOAD=libtcmalloc.so.4"),
+        "background_thread:true,": ("", "expected the server's"),
     }
     for needle, (replacement, expected) in cases.items():
         assert needle in text, needle

@@ -1,0 +1,246 @@
+"""The memory allocator ``coalesce serve`` runs on (``--allocator``), settled before anything else starts.
+
+Why: glibc's malloc gives threads arenas of their own and keeps what tensors of ever-changing shapes
+leave behind in fragments it does not hand back, so a long-lived replica's resident memory creeps up
+under varying load (issue 24: +80% in three minutes of alternating load, still rising), and a container
+sized from its first minutes is OOM-killed days later. jemalloc purges unused pages on a background
+thread and stays level (PyTorch's CPU serving guides recommend it, or tcmalloc, for the same reason).
+
+``--allocator auto`` (the default), first thing in ``coalesce serve``, before torch is imported and
+before any thread starts:
+
+1. already on jemalloc or tcmalloc (the images preload jemalloc; or the caller's ``LD_PRELOAD``): kept;
+2. on glibc, with jemalloc installed (Debian and Ubuntu's ``libjemalloc2``): the process re-executes
+   itself once, same interpreter, arguments and environment, plus jemalloc in ``LD_PRELOAD`` and
+   :data:`JEMALLOC_CONF` in ``MALLOC_CONF`` (unless one is set). Its pid stays; ``--workers`` children
+   inherit the environment, so every process of the replica runs on it;
+3. on glibc without jemalloc: at most :data:`ARENA_MAX` arenas (``mallopt``, before any thread exists),
+   and the engine returns freed memory to the system after batches (``malloc_trim``: see
+   :class:`Trimmer`).
+
+``jemalloc`` does the same but exits, naming the package, where jemalloc cannot be loaded; ``glibc``
+skips the re-exec and tunes glibc; ``system`` leaves malloc as the process started. Every process logs
+what it runs on once, at start-up (the ``allocator`` line).
+
+This module reads and writes ``os.environ``, the one exception to "only Settings reads the environment":
+``LD_PRELOAD`` and ``MALLOC_CONF`` are read by the dynamic loader and by jemalloc as a process image
+starts, before any Python runs, so they take effect only through the environment of an ``exec``; and
+the marker that keeps the re-exec to one must survive that ``exec``, which only the environment does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Set in the re-executed process's environment (to the library preloaded), so it never re-executes again;
+# inherited by the --workers children. Not a COALESCE_* knob: nobody sets it by hand.
+REEXEC_MARKER = "_COALESCE_ALLOCATOR_REEXEC"
+JEMALLOC_SONAME = "libjemalloc.so.2"
+JEMALLOC_PACKAGE = "libjemalloc2"
+# jemalloc's options for a server, the images' MALLOC_CONF too: purge unused pages on a background thread
+# (an idle server still gives memory back), after a second unused (a burst's excess goes within seconds,
+# while batch after batch reuses the same pages), straight to the system (muzzy pages, MADV_FREE, would
+# still count as resident until the kernel wants them), over at most 4 arenas (bounded per-arena slack;
+# the default is 4 per core).
+JEMALLOC_CONF = "background_thread:true,narenas:4,dirty_decay_ms:1000,muzzy_decay_ms:0"
+ARENA_MAX = 2  # glibc's arenas when jemalloc is missing (its default is 8 per core)
+TRIM_EVERY_S = 10.0  # glibc: malloc_trim at most this often while batches run, and once after the last
+_M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocator:
+    """What this process allocates with, and how it came to.
+
+    ``name``: jemalloc, tcmalloc, glibc or other (another libc). ``how``: preloaded (before we started:
+    an image's or a caller's ``LD_PRELOAD``), re-exec (by this module), tuned (glibc with bounded arenas
+    and trimming) or untouched. ``library``: the allocator's shared object, when not the libc's."""
+
+    name: str
+    how: str
+    library: str | None = None
+    note: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The start-up log line's fields."""
+        out: dict[str, Any] = {"allocator": self.name, "how": self.how}
+        if self.library:
+            out["library"] = self.library
+        if self.name == "jemalloc":
+            out["malloc_conf"] = os.environ.get("MALLOC_CONF", "")
+        if self.how == "tuned":
+            out.update(arena_max=ARENA_MAX, trim_every_s=TRIM_EVERY_S)
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def mapped(maps: str) -> tuple[str, str] | None:
+    """``(name, path)`` of a jemalloc or tcmalloc mapped into a process, from its ``/proc/PID/maps``."""
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6:
+            continue
+        base = os.path.basename(parts[5])
+        for name in ("jemalloc", "tcmalloc"):
+            if base.startswith("lib" + name):
+                return name, parts[5]
+    return None
+
+
+def _self_maps() -> str:
+    try:
+        return Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux: nothing is known to be preloaded
+        return ""
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None)
+
+
+def libc_is_glibc() -> bool:
+    """Whether this process's C library is glibc (musl and others lack ``gnu_get_libc_version``)."""
+    try:
+        return hasattr(_libc(), "gnu_get_libc_version")
+    except OSError:
+        return False
+
+
+def library_dirs() -> list[str]:
+    """Where distributions put shared libraries: Debian's multiarch directories, then the usual others."""
+    triplet = f"{os.uname().machine}-linux-gnu"
+    return [f"/usr/lib/{triplet}", f"/lib/{triplet}", "/usr/lib64", "/usr/lib", "/usr/local/lib"]
+
+
+def find_jemalloc(dirs: Iterable[str] | None = None) -> str | None:
+    """The path of ``libjemalloc.so.2`` in ``dirs`` (default :func:`library_dirs`), or None. Looked up
+    by file, not through ``ctypes.util.find_library``, which runs ldconfig and a compiler."""
+    for d in library_dirs() if dirs is None else dirs:
+        path = os.path.join(d, JEMALLOC_SONAME)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def reexec_command(argv: Sequence[str]) -> list[str]:
+    """The command that starts this ``coalesce serve ARGV`` again: the interpreter's own command line when
+    it is the one that ran (``coalesce serve``, ``python -m coalesce.service.cli serve``), else the module
+    form with ``argv`` (``main()`` called with arguments of its own)."""
+    if sys.argv[1:] == ["serve", *argv] and len(sys.orig_argv) > 1:
+        return [sys.executable, *sys.orig_argv[1:]]
+    return [sys.executable, "-m", "coalesce.service.cli", "serve", *argv]
+
+
+def _reexec(library: str, argv: Sequence[str]) -> OSError:
+    """Replace this process with itself on ``library``; returns only if ``exec`` failed."""
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
+    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    env[REEXEC_MARKER] = library
+    command = reexec_command(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(command[0], command, env)
+    except OSError as exc:
+        return exc
+    raise AssertionError("unreachable: execve returned")  # pragma: no cover
+
+
+def _bound_arenas() -> None:
+    """At most :data:`ARENA_MAX` glibc arenas (threads share them; each holds its own free memory)."""
+    _libc().mallopt(_M_ARENA_MAX, ARENA_MAX)
+
+
+def prepare(mode: str, argv: Sequence[str]) -> Allocator:
+    """Settle the allocator ``mode`` asks for, as described above; call it before torch is imported and
+    before any thread starts. Re-executes the process (so never returns) when that is the plan; exits
+    with a message when ``mode`` is ``jemalloc`` and jemalloc cannot be had."""
+    found = mapped(_self_maps())
+    reexecuted = REEXEC_MARKER in os.environ
+    if found is not None:
+        return Allocator(found[0], "re-exec" if reexecuted else "preloaded", found[1])
+    glibc = libc_is_glibc()
+    if mode == "system":
+        return Allocator("glibc" if glibc else "other", "untouched")
+    note = "--allocator glibc"
+    if mode in ("auto", "jemalloc"):
+        if reexecuted:
+            note = f"preloading {os.environ[REEXEC_MARKER]} failed (see the loader's message above)"
+        elif (library := find_jemalloc()) is None:
+            note = f"jemalloc not installed ({JEMALLOC_SONAME}: Debian/Ubuntu package {JEMALLOC_PACKAGE})"
+        else:
+            note = f"re-exec on {library} failed: {_reexec(library, argv)}"
+    if mode == "jemalloc":
+        raise SystemExit(f"--allocator jemalloc: {note}")
+    if not glibc:
+        return Allocator("other", "untouched", note=note)
+    _bound_arenas()
+    return Allocator("glibc", "tuned", note=note)
+
+
+class Trimmer:
+    """Returns the memory glibc holds freed to the system (``malloc_trim``) after batches.
+
+    :meth:`batch_done` (any thread, after each batch; it only sets an event) wakes a thread of its own,
+    which waits ``every_s``, then trims, so trims come at most every ``every_s`` while batches run and
+    once more ``every_s`` after the last one; then the thread sleeps until the next batch: an idle server
+    does nothing. A trim takes each arena's lock in turn while it walks that arena, so an allocation
+    meanwhile waits for it (a few milliseconds for a heap of hundreds of MiB)."""
+
+    def __init__(self, trim: Callable[[], object], every_s: float = TRIM_EVERY_S) -> None:
+        self._trim = trim
+        self._every = every_s
+        self._work = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="coalesce-trim", daemon=True)
+        self.trims = 0
+        self.last_s = 0.0  # how long the last trim took
+
+    @classmethod
+    def for_process(cls, mode: str) -> Trimmer | None:
+        """A started trimmer where :func:`prepare` tuned glibc in this process (``mode`` auto or glibc,
+        on glibc, no jemalloc or tcmalloc mapped); None elsewhere (those purge by themselves)."""
+        if mode == "system" or mapped(_self_maps()) is not None or not libc_is_glibc():
+            return None
+        trimmer = cls(lambda: _libc().malloc_trim(0))
+        trimmer.start()
+        return trimmer
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def batch_done(self) -> None:
+        """A batch finished (any thread)."""
+        self._work.set()
+
+    def _run(self) -> None:
+        # The trimmer thread only: the events are its sole shared state.
+        from .logs import get_logger  # here, not at import: the re-exec step must stay light
+
+        log = get_logger("coalesce.allocator")
+        while True:
+            self._work.wait()
+            if self._stop.wait(self._every):
+                return
+            self._work.clear()
+            t0 = time.perf_counter()
+            released = self._trim()
+            self.last_s = time.perf_counter() - t0
+            self.trims += 1
+            log.debug("malloc_trim", seconds=round(self.last_s, 4), released=bool(released))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._work.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
