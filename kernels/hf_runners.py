@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import ModelInfo, PairIds, Task
+from .protocol import RERANK_TEMPLATE_FILE, ModelInfo, PairIds, Task
 from .st_runner import Prepared, model_name_from_path, padded_features, resolve_device
 from .tokens import TokenizerAdapter
 
@@ -57,8 +57,9 @@ def detect_task(path: str) -> Task:
     A sentence-transformers ``CrossEncoder`` → rerank; a ``SparseEncoder`` (SPLADE: a masked-LM head
     and SPLADE pooling) → sparse; any other sentence-transformers layout (``modules.json``) → embed; a
     ``*ForSequenceClassification`` → rerank when it has one output (how cross-encoders are published)
-    or carries a cross-encoder activation, else classify; anything else → embed (sentence-transformers
-    wraps a plain encoder with mean pooling). ``--task`` overrides this.
+    or carries a cross-encoder activation, else classify; a ``*ForCausalLM`` with a
+    ``rerank_template.json`` → rerank (an LLM reranker, see ``rerank_template``); anything else → embed
+    (sentence-transformers wraps a plain encoder with mean pooling). ``--task`` overrides this.
     """
     root = Path(path)
     kind = _read_json(root / "config_sentence_transformers.json").get("model_type")
@@ -73,6 +74,9 @@ def detect_task(path: str) -> Task:
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
         cross_encoder = "sentence_transformers" in config or "sbert_ce_default_activation_function" in config
         return Task.RERANK if cross_encoder or _num_labels(config) == 1 else Task.CLASSIFY
+    causal = any(str(a).endswith("ForCausalLM") for a in architectures)
+    if causal and (root / RERANK_TEMPLATE_FILE).is_file():
+        return Task.RERANK
     return Task.EMBED
 
 

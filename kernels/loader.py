@@ -9,9 +9,10 @@ For embedding models the fastest applicable path wins:
    fast reader declines but the forward reproduces);
 3. ``st_runner`` — any sentence-transformers model, eagerly.
 
-Classifiers and cross-encoders get ``SequenceClassifierRunner``. A directory written by ``coalesce
-export`` is served by ``onnx_runner.OnnxRunner`` instead when ``--backend`` resolves to onnx (before
-anything imports torch).
+Classifiers and cross-encoders get ``SequenceClassifierRunner``; LLM rerankers (a causal LM served as a
+reranker, or its converted "seq-cls" variant; see ``rerank_template``) get ``LlmRerankRunner``. A
+directory written by ``coalesce export`` is served by ``onnx_runner.OnnxRunner`` instead when
+``--backend`` resolves to onnx (before anything imports torch).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 
 from .buckets import GraphOptions
 from .hf_runners import SequenceClassifierRunner, detect_task
+from .llm_rerank import LlmRerankRunner
 from .onnx_runner import onnx_runner_for
 from .protocol import Runner, Task
+from .rerank_template import llm_reranker_template
 from .st_runner import SentenceTransformerRunner, SparseEncoderRunner, default_model_path
 
 log = logging.getLogger("coalesce.kernels")
@@ -41,12 +44,14 @@ class RunnerOptions:
 
 
 def load_runner(
-    path: str | None, name: str | None, options: RunnerOptions, task: str | None = None
+    path: str | None, name: str | None, options: RunnerOptions, task: str | None = None,
+    rerank_template: str | None = None,
 ) -> Runner:
     """A runner for the model at ``path`` (None = the embedded default model).
 
     The task (embed, classify, rerank) is detected from the model directory unless ``task`` (the
-    ``--task`` override) names it.
+    ``--task`` override) names it. ``rerank_template``: an LLM reranker's template file
+    (``--rerank-template``), which wins over the directory's own.
     """
     aliases: Sequence[str] = ()
     if path is None:
@@ -75,6 +80,10 @@ def load_runner(
     hf_logging.disable_progress_bar()  # no progress bars in service logs
     if chosen is Task.SPARSE:
         return SparseEncoderRunner(path, name=name, device=options.device, aliases=aliases)
+    if chosen is Task.RERANK and (template := llm_reranker_template(path, rerank_template)) is not None:
+        return LlmRerankRunner(
+            path, name=name, template=template, device=options.device, dtype=options.dtype, aliases=aliases
+        )
     if chosen is not Task.EMBED:
         return SequenceClassifierRunner(path, name=name, task=chosen, device=options.device, aliases=aliases)
     from .encoder_runner import build_encoder_runner

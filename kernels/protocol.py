@@ -49,6 +49,27 @@ class OutputKind(StrEnum):
     TOKENS = "tokens"
 
 
+RERANK_TEMPLATE_FILE = "rerank_template.json"  # an LLM reranker's template, in its model directory
+
+
+@dataclass(frozen=True, slots=True)
+class RerankTemplate:
+    """How an LLM reranker (Qwen3-Reranker style) reads a (query, document) pair, as its model card does.
+
+    A pair's ids are ``prefix``'s, then ``pair`` formatted with the instruction, query and document and
+    tokenised as one text with the tokenizer's special tokens, then ``suffix``'s (prefix and suffix are
+    tokenised alone). The runner reads the logits of the ``yes`` and ``no`` tokens at the last position:
+    the score is P(yes) over the two, i.e. sigmoid(yes − no); with ``no`` None, sigmoid(yes).
+    """
+
+    prefix: str
+    suffix: str
+    pair: str  # holds {query} and {document} (once), and may hold {instruction}
+    instruction: str  # the instruction a request that sends none gets (unless --rerank-instruction)
+    yes: str = "yes"
+    no: str | None = "no"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """Static facts about a loaded model that the gateway validates against."""
@@ -71,6 +92,8 @@ class ModelInfo:
     include_prompt: bool = True
     dtype: str = "float32"  # the precision the forward runs in: float32, float16 or bfloat16
     token_embeddings: bool = False  # the runner answers OutputKind.TOKENS (a TokenRunner)
+    # rerank by an LLM: the gateway formats each pair with this template (None: a cross-encoder's pair)
+    rerank_template: RerankTemplate | None = None
 
 
 class MarkedIds(list[int]):

@@ -144,11 +144,19 @@ class Client:
         return [row for b in bodies for row in self._core.predictions(self._call("POST", "/classify", b))]
 
     def rerank(
-        self, query: str, documents: Sequence[str], *, model: str | None = None, top_n: int | None = None
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        model: str | None = None,
+        top_n: int | None = None,
+        instruction: str | None = None,
     ) -> list[Ranked]:
-        """Documents by relevance to ``query``, best first (the ``top_n`` best when given)."""
+        """Documents by relevance to ``query``, best first (the ``top_n`` best when given).
+        ``instruction``: the task an LLM reranker (Qwen3-Reranker style) judges for (default: the
+        server's)."""
         self._ensure_info()
-        bodies = self._core.rerank_requests(query, documents, model)
+        bodies = self._core.rerank_requests(query, documents, model, instruction)
         return self._core.ranks([(a, self._call("POST", "/rerank", b)) for a, b in bodies], top_n)
 
     def close(self) -> None:
@@ -255,11 +263,19 @@ class AsyncClient:
         return [row for a in answers for row in self._core.predictions(a)]
 
     async def rerank(
-        self, query: str, documents: Sequence[str], *, model: str | None = None, top_n: int | None = None
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        model: str | None = None,
+        top_n: int | None = None,
+        instruction: str | None = None,
     ) -> list[Ranked]:
-        """Documents by relevance to ``query``, best first (the ``top_n`` best when given)."""
+        """Documents by relevance to ``query``, best first (the ``top_n`` best when given).
+        ``instruction``: the task an LLM reranker (Qwen3-Reranker style) judges for (default: the
+        server's)."""
         await self._ensure_info()
-        bodies = self._core.rerank_requests(query, documents, model)
+        bodies = self._core.rerank_requests(query, documents, model, instruction)
         answers = await self._post_all("/rerank", [b for _, b in bodies])
         return self._core.ranks([(a, ans) for (a, _), ans in zip(bodies, answers, strict=True)], top_n)
 

@@ -157,7 +157,8 @@ class RerankRequest(msgspec.Struct, frozen=True):
     """``POST /rerank`` and ``/v1/rerank`` in Cohere's v1 shape (``documents``, ``top_n``,
     ``return_documents``; Jina's and vLLM's are the same) or TEI's (``texts``, ``return_text``,
     ``raw_scores``); exactly one of ``documents`` and ``texts``. ``return_documents`` left out means
-    the path's default (``/v1/rerank``: true, as Jina and vLLM answer; ``/rerank``: false)."""
+    the path's default (``/v1/rerank``: true, as Jina and vLLM answer; ``/rerank``: false).
+    ``instruction`` (ours, in either shape) is the task an LLM reranker judges pairs for."""
 
     query: Text
     documents: NonEmpty[Text | RerankDocument] | None = None
@@ -169,6 +170,7 @@ class RerankRequest(msgspec.Struct, frozen=True):
     return_text: bool = False
     raw_scores: bool = False
     truncate: bool | None = None
+    instruction: str | None = None
 
 
 class RerankResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -238,13 +240,16 @@ class EmbedV2Response(msgspec.Struct, frozen=True):
 
 class RerankV2Request(msgspec.Struct, frozen=True):
     """Cohere v2 ``POST /v2/rerank`` (what ``cohere.ClientV2.rerank`` sends). ``priority`` and
-    ``relevant_spans`` are accepted and ignored (``X-Priority`` orders work here)."""
+    ``relevant_spans`` are accepted and ignored (``X-Priority`` orders work here). ``instruction``
+    (ours; the ``cohere`` client sends it in ``request_options``' ``additional_body_parameters``) is
+    the task an LLM reranker judges pairs for."""
 
     query: Text
     documents: Texts
     model: str | None = None
     top_n: int | None = None
     max_tokens_per_doc: int | None = None
+    instruction: str | None = None
 
 
 class RerankV2Result(msgspec.Struct, frozen=True):

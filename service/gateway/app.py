@@ -49,6 +49,7 @@ from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
 from .guard import body_too_large, read_body
+from .llm_pairs import check_instructions
 from .models import MODELS, ModelRegistry
 from .responses import json_response
 from .routing import add_route, dialect_of
@@ -221,6 +222,7 @@ async def _start(app: web.Application) -> None:
     life = app[LIFECYCLE]
     try:
         await app[BACKEND].start()
+        check_instructions(app[MODELS].models, app[SETTINGS])
     except asyncio.CancelledError:
         raise
     except Exception as exc:

@@ -27,6 +27,7 @@ from .contract import MODEL_ROUTE, TOKEN_IDS, Doc
 from .embeddings import encode_inputs
 from .facade import ServedModel
 from .inputs import checked_items, encode_pairs, encode_texts, truncating
+from .llm_pairs import instruction_for, rerank_limit
 from .models import pick_model
 from .responses import activate, ranked, respond
 from .routing import add_route
@@ -192,6 +193,13 @@ async def predict(request: web.Request) -> web.Response:
             )
     cut = truncating(request, req.truncate)
     singles = [(i, item) for i, item in enumerate(items) if isinstance(item, str)]
+    if singles and model.info.rerank_template is not None:
+        raise InvalidRequest(
+            f"Model '{model.info.name}' is an LLM reranker: it judges [query, document] pairs, so "
+            f"inputs[{singles[0][0]}] must be a pair.",
+            param=f"inputs[{singles[0][0]}]",
+            code="invalid_type",
+        )
     pairs = [(i, item) for i, item in enumerate(items) if isinstance(item, tuple)]
     seqs: list[list[int]] = [[] for _ in items]
     if singles:
@@ -202,7 +210,9 @@ async def predict(request: web.Request) -> web.Response:
             seqs[i] = seq
     if pairs:
         encoded_pairs = await encode_pairs(
-            model, adm, [p for _, p in pairs], cut=cut, field="inputs", positions=[i for i, _ in pairs]
+            model, adm, [p for _, p in pairs], cut=cut, field="inputs", positions=[i for i, _ in pairs],
+            limit=rerank_limit(request.app[SETTINGS], model),
+            instruction=instruction_for(request, model, None),
         )
         for (i, _), pair_seq in zip(pairs, encoded_pairs, strict=True):
             seqs[i] = pair_seq

@@ -13,7 +13,9 @@
 Each (query, document) pair is one input to the batcher, charged its full pair length against the token
 budget, so pairs from many callers batch together like any other input. Scores are the model's logits
 through its activation (sigmoid for a published cross-encoder, as sentence-transformers' ``CrossEncoder``
-gives); TEI's ``raw_scores`` returns the logits. Results come best first.
+gives); TEI's ``raw_scores`` returns the logits. Results come best first. An LLM reranker (Qwen3-Reranker
+style) reads each pair through its template with the request's ``instruction`` (every shape takes it),
+the server's, or the template's (``llm_pairs``); its score is P(yes), as its model card computes it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..schemas import (
 from .admission import Admission, admission
 from .contract import MODEL_ROUTE, Doc
 from .inputs import checked_items, encode_pairs, truncating
+from .llm_pairs import instruction_for, rerank_limit
 from .models import pick_model
 from .responses import activate, respond
 from .routing import add_route, speak
@@ -121,6 +124,7 @@ async def _score(
     truncate: bool | None,
     max_tokens_per_doc: int | None,
     raw_scores: bool,
+    instruction: str | None,
 ) -> tuple[str, list[str], np.ndarray, RequestResult, int]:
     """(model name, documents, score per document, the result's timings, tokens computed)."""
     docs = checked_items(list(raw_docs), field, request.app[SETTINGS].max_inputs)
@@ -135,7 +139,8 @@ async def _score(
     model = pick_model(request, model_name, (Task.RERANK,), request.path)
     seqs = await encode_pairs(
         model, adm, [(query, d) for d in docs], cut=truncating(request, truncate), field=field,
-        max_b=max_tokens_per_doc,
+        max_b=max_tokens_per_doc, limit=rerank_limit(request.app[SETTINGS], model),
+        instruction=instruction_for(request, model, instruction),
     )
     result = await model.infer(seqs, adm)
     scores = (result.rows if raw_scores else activate(result.rows, model.info.activation))[:, 0]
@@ -157,7 +162,7 @@ async def _rerank(request: web.Request, *, v1: bool) -> web.Response:
     top_n = _check_top_n(req.top_n, zero_is_all=v1)
     name, docs, scores, result, tokens = await _score(
         request, adm, req.model, req.query, raw, field="texts" if tei else "documents", truncate=req.truncate,
-        max_tokens_per_doc=req.max_tokens_per_doc, raw_scores=req.raw_scores,
+        max_tokens_per_doc=req.max_tokens_per_doc, raw_scores=req.raw_scores, instruction=req.instruction,
     )
     order = _best_first(scores, top_n)
     if tei:
@@ -199,7 +204,7 @@ async def rerank_v2(request: web.Request) -> web.Response:
     top_n = _check_top_n(req.top_n, zero_is_all=False)
     _, _, scores, result, tokens = await _score(
         request, adm, req.model, req.query, req.documents, field="documents", truncate=None,
-        max_tokens_per_doc=req.max_tokens_per_doc, raw_scores=False,
+        max_tokens_per_doc=req.max_tokens_per_doc, raw_scores=False, instruction=req.instruction,
     )
     body = RerankV2Response(
         id=uuid.uuid4().hex,

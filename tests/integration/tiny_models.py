@@ -130,15 +130,15 @@ class GatedRunner:
 
 
 @functools.cache
-def _runner(path: str | None, name: str | None, task: str | None) -> Any:
+def _runner(path: str | None, name: str | None, task: str | None, template: str | None) -> Any:
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
-    return load_runner(path, name, RunnerOptions(device="cpu"), task=task)
+    return load_runner(path, name, RunnerOptions(device="cpu"), task=task, rerank_template=template)
 
 
 def load(spec: Any) -> GatedRunner:
     """A runner factory: each model is loaded once per process and reused by every server."""
-    return GatedRunner(_runner(spec.path, spec.name, spec.task))
+    return GatedRunner(_runner(spec.path, spec.name, spec.task, spec.rerank_template))
 
 
 @functools.cache
@@ -152,7 +152,9 @@ def shared_server() -> ServerThread:
     # A long deadline: tests hold the device (GatedRunner) for as long as a loaded machine needs to
     # queue their requests, and the cost model learns from that held batch; with the default 30 s it
     # could predict the held-up queue past the deadline and shed it (correctly, but not what they test).
-    flags = ["--max-batch-size", "32", "--request-timeout-ms", "600000"]
+    # For the same reason no wait bound: a queue held up while requests keep coming is a standing one,
+    # whose old inputs would be dropped as late (tests/integration/test_overload.py tests that).
+    flags = ["--max-batch-size", "32", "--request-timeout-ms", "600000", "--max-queue-wait-ms", "0"]
     return ServerThread(build([*argv, *flags], environ={}), load).start()
 
 
