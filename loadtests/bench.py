@@ -15,9 +15,14 @@ markers are created when missing, and text outside the markers is kept):
 * ``onnx``: the ONNX Runtime backend against torch: cold start, latency, throughput, idle (``bench_onnx``);
 * ``features``: the result cache on a replay with repeats, and binary/int8 retrieval recall;
 * ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity;
+* ``overload``: a RAG ingestion burst from the ``openai`` client against Coalesce and Infinity, a mixed
+  burst at idle, and open loop at 0.5× to 4× capacity (``bench_overload``);
 * ``soak`` (only when named, ``make soak``): ``--soak-minutes`` of open-loop load alternating half and
   twice the measured capacity; every request answered, p99 within target, memory and descriptors
-  steady (``bench_soak``).
+  steady (``bench_soak``);
+* ``memory`` (only when named): resident memory under the soak's alternating load for
+  ``--memory-minutes``, per allocator (glibc untouched and tuned, jemalloc, tcmalloc), side by side
+  (``bench_memory``).
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -37,9 +42,9 @@ from pathlib import Path
 
 SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
-    "features", "fairness",
+    "features", "fairness", "overload",
 )
-EXTRA_SECTIONS = ("soak",)  # run only when named in --only: too long for every `make bench`
+EXTRA_SECTIONS = ("soak", "memory")  # run only when named in --only: too long for every `make bench`
 
 
 def machine() -> str:
@@ -133,6 +138,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--soak-minutes", type=float, default=10.0, help="length of the soak section's load")
+    p.add_argument("--memory-minutes", type=float, default=3.0,
+                   help="length of the memory section's load, per allocator")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.sections) - set(SECTIONS + EXTRA_SECTIONS)
@@ -148,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         bench_engine,
         bench_fairness,
         bench_features,
+        bench_memory,
         bench_onnx,
+        bench_overload,
         bench_sections,
         bench_soak,
     )
@@ -165,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         "onnx": bench_onnx.onnx,
         "features": bench_features.features,
         "fairness": bench_fairness.fairness,
+        "overload": bench_overload.overload,
         "soak": bench_soak.soak,
+        "memory": bench_memory.memory,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

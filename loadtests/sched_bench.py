@@ -140,7 +140,7 @@ def run(version: tuple[ModuleType, ModuleType, ModuleType], work: Workload, seed
             done += size
         while True:
             t0 = clock()
-            decision, _, _ = sched.next(now)
+            decision = sched.next(now)[0]
             spent += clock() - t0
             if not isinstance(decision, mod.Dispatch):
                 break  # no timers: the adaptive strategy without a hold never waits
@@ -154,7 +154,8 @@ def run(version: tuple[ModuleType, ModuleType, ModuleType], work: Workload, seed
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", help="a folder with another version of scheduler.py, policy.py, cost.py")
+    p.add_argument("--baseline", help="a folder with another version of the batching package "
+                   "(scheduler.py, policy.py, cost.py and what they import)")
     p.add_argument(
         "--repeat", type=int, default=5, help="runs per workload and version; the best counts (default 5)"
     )

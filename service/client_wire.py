@@ -60,11 +60,18 @@ class Ranked:
 
 
 def _retry_after(headers: Any) -> float | None:
-    raw = headers.get("Retry-After") if headers is not None else None
-    try:
-        return max(0.0, float(raw)) if raw is not None else None
-    except ValueError:  # an HTTP date: fall back to our own backoff
+    """The server's hint in seconds: ``retry-after-ms`` (exact, what Coalesce plans with) first, then
+    ``Retry-After``."""
+    if headers is None:
         return None
+    for name, scale in (("retry-after-ms", 1e-3), ("Retry-After", 1.0)):
+        raw = headers.get(name)
+        try:
+            if raw is not None:
+                return max(0.0, float(raw) * scale)
+        except ValueError:  # an HTTP date: fall back to our own backoff
+            continue
+    return None
 
 
 def parse_error(status: int, body: bytes, headers: Any) -> APIError:
@@ -126,7 +133,7 @@ class Wire:
         one (capped at ``max_retry_wait``), else exponential backoff; jittered either way."""
         if err.retry_after is not None:
             base = min(err.retry_after, self.max_retry_wait)
-            wait = base + random.uniform(0, 0.25 * max(base, 0.1))
+            wait = base + random.uniform(0, 0.05 * max(base, 0.1))  # the server already spread its hints
         else:
             wait = min(self.max_retry_wait, 0.25 * 2**attempt) * random.uniform(0.5, 1.0)
         if self.on_retry is not None:
@@ -183,9 +190,11 @@ class Wire:
         return [{"input": items[a:b], "raw_scores": raw_scores, **extra} for a, b in self.parts(len(items))]
 
     def rerank_requests(
-        self, query: str, documents: Sequence[str], model: str | None
+        self, query: str, documents: Sequence[str], model: str | None, instruction: str | None = None
     ) -> list[tuple[int, dict[str, Any]]]:
-        extra = {} if model is None else {"model": model}
+        extra: dict[str, Any] = {} if model is None else {"model": model}
+        if instruction is not None:
+            extra["instruction"] = instruction
         return [
             (a, {"query": query, "documents": list(documents[a:b]), **extra})
             for a, b in self.parts(len(documents))

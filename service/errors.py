@@ -101,8 +101,13 @@ class RetryableError(CoalesceError):
         self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
-        # Retry-After takes whole seconds; never tell a client to retry in 0 s.
-        return {"Retry-After": str(max(1, round(self.retry_after + 0.4999)))}
+        # Retry-After takes whole seconds (rounded up; never 0 s). retry-after-ms carries the exact
+        # hint: the openai client (and ours) read it first, so callers refused together come back
+        # paced as the server planned, not all at the same whole second.
+        return {
+            "Retry-After": str(max(1, round(self.retry_after + 0.4999))),
+            "retry-after-ms": str(max(1, round(self.retry_after * 1e3))),
+        }
 
 
 class Overloaded(RetryableError):

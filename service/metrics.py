@@ -7,24 +7,34 @@ Under ``--workers`` (``PROMETHEUS_MULTIPROC_DIR`` set before prometheus_client i
 process writes its series to that directory and ``render`` aggregates all of them, so one scrape of
 any worker describes the replica: counters and histograms add up, and each gauge says how its workers'
 values combine (``multiprocess_mode``; ignored in a single process).
+
+Resident memory: one process exports prometheus_client's ``process_*`` series
+(``process_resident_memory_bytes`` among them); under ``--workers`` the scrape reads each process's
+from /proc, ``process_resident_memory_bytes{process="supervisor"|"engine"|"gateway-N"}``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 # X-Priority's classes by their index in the scheduler (0 is served first).
 PRIORITY_NAMES = ("high", "normal", "low")
+# In the multiprocess directory: the replica's processes, "PID NAME" a line (written by the supervisor).
+PROCESSES_FILE = "processes"
 
 # The *_created series double the exposition for no use of ours.
 disable_created_metrics()
@@ -42,6 +52,7 @@ class ModelSeries:
 
     queue_depth: Gauge
     queued_tokens: Gauge
+    queue_standing: Gauge
     queue_wait: tuple[Histogram, ...]  # indexed by priority class: high, normal, low
     cost_overhead: Gauge
     cost_per_token: Gauge
@@ -66,6 +77,10 @@ class Metrics:
         # The directory ``--workers`` share their series through (prometheus_client chose its value
         # storage from it at import); None in a single process.
         self.multiprocess_dir: str | None = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        if self.multiprocess_dir is None:
+            # process_resident_memory_bytes, CPU seconds, descriptors, start time: this process is the
+            # replica. Under --workers, render() reports each process's resident memory instead.
+            ProcessCollector(registry=r)
         # Admission and queue.
         self.queue_depth = Gauge(
             "coalesce_queue_depth", "Inputs waiting to be batched.", ["model"],
@@ -75,20 +90,29 @@ class Metrics:
             "coalesce_queued_tokens", "Tokens waiting to be batched.", ["model"],
             multiprocess_mode="livesum", registry=r
         )
+        self.queue_standing = Gauge(
+            "coalesce_queue_standing",
+            "1 while the queue stands (its oldest input older than the queue target for a whole interval: "
+            "only what finishes within the latency target is admitted), 0 while it keeps emptying (bursts "
+            "admitted).",
+            ["model"], multiprocess_mode="livemax", registry=r
+        )
         self.inflight = Gauge(
             "coalesce_inflight_requests", "Requests being handled right now.",
             multiprocess_mode="livesum", registry=r,
         )
         self.queue_wait = Histogram(
             "coalesce_queue_wait_seconds",
-            "Time an input waited before its batch started, by priority class (X-Priority).",
+            "Time from a request's head arriving to its input's batch starting (the wait before admission "
+            "included), by priority class (X-Priority).",
             ["model", "priority"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.rejected = Counter(
             "coalesce_rejected_total",
-            "Requests refused or shed before compute, by reason.",
+            "Requests refused or shed before compute, by reason (queue_full, overloaded, late, "
+            "tenant_queue_full, deadline_unmeetable, expired, cancelled, too_large).",
             ["model", "reason"],
             registry=r,
         )
@@ -248,4 +272,44 @@ class Metrics:
 
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged, path=path)
+        merged.register(_ReplicaMemory(path))
         return generate_latest(merged)
+
+
+def write_processes(directory: str, processes: Mapping[int, str]) -> None:
+    """Name the replica's processes (pid → supervisor, engine, gateway-N) for :class:`_ReplicaMemory`."""
+    tmp = Path(directory, PROCESSES_FILE + ".tmp")
+    tmp.write_text("".join(f"{pid} {name}\n" for pid, name in processes.items()))
+    tmp.replace(Path(directory, PROCESSES_FILE))  # a scrape reads the whole list or none of it
+
+
+def resident_bytes(pid: int) -> int | None:
+    """Resident memory of ``pid`` (``/proc/PID/statm``), or None once it has exited."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class _ReplicaMemory:
+    """``process_resident_memory_bytes{process}`` of every live process of a ``--workers`` replica, read at
+    scrape time from /proc (a value each process wrote itself would be stale in an idle engine)."""
+
+    def __init__(self, directory: str) -> None:
+        self._file = Path(directory, PROCESSES_FILE)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "process_resident_memory_bytes", "Resident memory of each process of the replica, bytes.",
+            labels=["process"],
+        )
+        try:
+            lines = self._file.read_text().splitlines()
+        except OSError:
+            lines = []  # the supervisor has not named them yet
+        for line in lines:
+            pid, _, name = line.partition(" ")
+            rss = resident_bytes(int(pid))
+            if rss is not None:
+                family.add_metric([name], rss)
+        yield family

@@ -26,6 +26,7 @@ class ModelSpec:
     name: str | None
     path: str | None  # None = the embedded default model
     task: str | None = None  # embed, classify or rerank; None = detect from the model directory
+    rerank_template: str | None = None  # an LLM reranker's template file (--rerank-template)
 
 
 def parse_model_spec(text: str) -> ModelSpec:
@@ -38,6 +39,7 @@ def parse_model_spec(text: str) -> ModelSpec:
 
 
 TASKS = ("embed", "classify", "rerank", "sparse")
+ALLOCATORS = ("auto", "jemalloc", "glibc", "system")  # --allocator; see service/allocator.py
 
 
 def parse_task_spec(text: str) -> tuple[str, str]:
@@ -97,7 +99,9 @@ class Settings:
         "detected from the model directory (sentence-transformers layout: embed; a SparseEncoder: sparse; "
         "*ForSequenceClassification: classify, or rerank with one output; a CrossEncoder: rerank), which "
         "fits published models; "
-        "override it for a model saved another way, e.g. to embed with a classifier's encoder.",
+        "override it for a model saved another way, e.g. to embed with a classifier's encoder. "
+        "NAME=rerank on a *ForCausalLM serves it as an LLM reranker (Qwen3-Reranker style: pairs read "
+        "through its template, scored by its 'yes'/'no' logits).",
         default=(),
         flag="--task",
         repeat=True,
@@ -120,6 +124,36 @@ class Settings:
         flag="--default-prompt",
         repeat=True,
         parse=parse_named_value,
+    )
+    rerank_instructions: tuple[tuple[str, str], ...] = _knob(
+        "The instruction an LLM reranker (Qwen3-Reranker style) reads pairs with when a request sends "
+        "none, as NAME=TEXT; repeatable. Default: the model's template's (the Qwen3-Reranker card's 'Given "
+        "a web search query, retrieve relevant passages that answer the query'). These models are trained "
+        "with task-specific instructions: set the one your traffic is, and let other callers send "
+        "'instruction'.",
+        default=(),
+        flag="--rerank-instruction",
+        repeat=True,
+        parse=parse_named_value,
+    )
+    rerank_templates: tuple[tuple[str, str], ...] = _knob(
+        "An LLM reranker's template, as NAME=PATH to a JSON file of the fields rerank_template.json in a "
+        "model directory holds (prefix, suffix, pair with {instruction}, {query} and {document}, "
+        "instruction, yes, no); repeatable. Wins over the model directory's file; for families other "
+        "than Qwen3-Reranker (whose card's template is the default) whose directory has none. Serves the "
+        "model as an LLM reranker.",
+        default=(),
+        flag="--rerank-template",
+        repeat=True,
+        parse=parse_named_value,
+    )
+    max_rerank_tokens: int | None = _knob(
+        "Most tokens of one rerank pair (query, document and, for an LLM reranker, its template): longer "
+        "documents are cut to fit (the query and template never are), or refused by name with "
+        "--no-truncate. Default: the model's own maximum (tens of thousands of tokens for a Qwen3 "
+        "reranker; its model card uses 8192). Lower bounds the cost of one pair, which for an LLM "
+        "reranker on CPU is large, at the price of judging only a document's beginning.",
+        default=None,
     )
     host: str = _knob(
         "Address to listen on. 0.0.0.0 for containers; 127.0.0.1 to stay local.", default="0.0.0.0"
@@ -203,13 +237,39 @@ class Settings:
         default=None,
     )
     max_queue_wait_ms: float | None = _knob(
-        "Overload: a request whose first input is predicted to wait longer than this for the queue ahead "
-        "of it (in fair order: a query behind a bulk request waits one share, not the whole bulk; the "
-        "batch already running is not counted) is answered 429 "
-        "with Retry-After at once instead of lengthening the backlog, so admitted requests keep their "
-        "latency under sustained overload. Default: --target-latency-ms. 0 = off (then only "
+        "Sustained overload: while the queue stands (see --queue-target-ms), a request is admitted only "
+        "if it is predicted to have its first result within this many ms of its head arriving — the "
+        "time it already waited (event loop, body), the queue ahead of it in fair order (a query behind "
+        "a bulk request waits one share, not the whole bulk), and its own forward. The rest is answered "
+        "429 overloaded with Retry-After at once, before tokenising where it can, so admitted requests "
+        "keep their latency and a refusal costs little. Lower refuses more and keeps admitted latency "
+        "lower. Default: --target-latency-ms. 0 = off: no wait bound in either regime (then only "
         "--max-queued-tokens and deadlines refuse).",
         default=None,
+    )
+    burst_wait_ms: float = _knob(
+        "Bursts: while the queue keeps emptying, a request is admitted as long as its first input is "
+        "predicted to wait at most this many ms in the queue (429 queue_full beyond), so a "
+        "one-off burst — a RAG ingestion's thousand chunks at once — is queued and served whole rather "
+        "than refused. Longer absorbs bigger bursts, at the price of that much latency for the burst's "
+        "tail (and for the first --queue-interval-ms of a sustained overload). Keep it well under "
+        "--request-timeout-ms.",
+        default=10000.0,
+    )
+    queue_target_ms: float | None = _knob(
+        "When a queue stands (CoDel's target): once the oldest waiting input has waited longer than "
+        "this for a whole --queue-interval-ms, the queue is not draining and admission switches from "
+        "--burst-wait-ms to --max-queue-wait-ms; it switches back as soon as the oldest input is younger "
+        "than this (or nothing waits). Lower detects overload sooner and treats more bursts as "
+        "overload. Default: a quarter of --target-latency-ms.",
+        default=None,
+    )
+    queue_interval_ms: float = _knob(
+        "How long the queue must stand before admission tightens (CoDel's interval). Longer absorbs "
+        "bursts that arrive over a longer time; shorter bounds how much of a sustained overload is "
+        "admitted as a burst before its requests are refused (they then wait up to about this long "
+        "plus the target).",
+        default=500.0,
     )
     request_timeout_ms: float = _knob(
         "Default and cap of a request's deadline (X-Request-Timeout, ms). Requests past it, or that the "
@@ -343,6 +403,17 @@ class Settings:
         "the port and none is handed a connection before it can serve (set for each of --workers).",
         default=False,
     )
+    allocator: str = _knob(
+        "Memory allocator. auto: run on jemalloc when it is installed (Debian/Ubuntu libjemalloc2; the "
+        "images preload it), by re-executing the server once at start-up with it in LD_PRELOAD: its "
+        "background purge keeps resident memory level under load of ever-changing shapes, where glibc's "
+        "malloc creeps up for hours. Without it: glibc with 2 arenas, and freed memory "
+        "handed back after batches (malloc_trim, a few ms at most every 10 s under load). jemalloc: the "
+        "same, but exit if it cannot be loaded. glibc: no re-exec, glibc so tuned. system: malloc as the "
+        "process started (your own LD_PRELOAD, or to measure glibc untouched). The start-up log's "
+        "'allocator' line says which ran.",
+        default="auto",
+    )
     log_level: str = _knob("Log level: debug logs one line per request and per batch.", default="info")
     log_format: str = _knob("Log format: json (for collectors) or console (for people).", default="json")
 
@@ -352,8 +423,10 @@ class Settings:
         specs = self.models
         if self.served_model_name and len(self.models) == 1 and self.models[0].name is None:
             specs = (ModelSpec(self.served_model_name, self.models[0].path),)
-        tasks = dict(self.tasks)
-        return tuple(dataclasses.replace(m, task=tasks[m.name]) if m.name in tasks else m for m in specs)
+        tasks, templates = dict(self.tasks), dict(self.rerank_templates)
+        specs = tuple(dataclasses.replace(m, task=tasks[m.name]) if m.name in tasks else m for m in specs)
+        return tuple(dataclasses.replace(m, task="rerank", rerank_template=templates[m.name])
+                     if m.name in templates else m for m in specs)
 
 
 def _flag(f: dataclasses.Field[Any]) -> str:
@@ -479,6 +552,8 @@ def _validate(s: Settings) -> None:
         problems.append("target_latency_ms and request_timeout_ms must be > 0")
     if s.max_queue_wait_ms is not None and s.max_queue_wait_ms < 0:
         problems.append("max_queue_wait_ms must be >= 0")
+    if s.burst_wait_ms < 0 or s.queue_interval_ms < 0 or (s.queue_target_ms or 0) < 0:
+        problems.append("burst_wait_ms, queue_target_ms and queue_interval_ms must be >= 0")
     if s.interactive_batch_ms < 0:
         problems.append("interactive_batch_ms must be >= 0")
     if s.priority_ratio < 1:
@@ -501,6 +576,8 @@ def _validate(s: Settings) -> None:
         problems.append("runner_factory must be MODULE:CALLABLE")
     if not 0 < s.port < 65536:
         problems.append("port must be 1..65535")
+    if s.allocator not in ALLOCATORS:
+        problems.append("allocator must be auto, jemalloc, glibc or system")
     if s.log_format not in ("json", "console"):
         problems.append("log_format must be json or console")
     names = [m.name for m in s.model_specs if m.name]
@@ -509,5 +586,18 @@ def _validate(s: Settings) -> None:
     unknown = sorted({name for name, _ in s.tasks} - set(names))
     if unknown:
         problems.append(f"--task names {', '.join(unknown)}, not a served model name (use --model NAME=PATH)")
+    for flag, named in (("--rerank-instruction", s.rerank_instructions),
+                        ("--rerank-template", s.rerank_templates)):
+        unknown = sorted({name for name, _ in named} - set(names))
+        if unknown:
+            problems.append(f"{flag} names {', '.join(unknown)}, not a served model name "
+                            "(use --model NAME=PATH)")
+    tasks = dict(s.tasks)
+    conflicting = sorted(name for name, _ in s.rerank_templates if tasks.get(name, "rerank") != "rerank")
+    if conflicting:
+        problems.append(f"--rerank-template serves {', '.join(conflicting)} as a reranker; its --task says "
+                        "otherwise")
+    if s.max_rerank_tokens is not None and s.max_rerank_tokens < 1:
+        problems.append("max_rerank_tokens must be at least 1")
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))

@@ -169,7 +169,7 @@ class Batcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._tenant_series: set[str] = set()  # tenants with a coalesce_tenant_queued_tokens series
-        self._queue_shown: tuple[int, int] | None = None  # what the queue gauges last said
+        self._queue_shown: tuple[int, int, bool] | None = None  # what the queue gauges last said
         self._coef_shown: object = None  # the cost coefficients the gauges last said
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -203,14 +203,20 @@ class Batcher:
             await self._task
 
     # -- admission -----------------------------------------------------------------------------------
-    def check_room(self, tenant: str = DEFAULT_TENANT) -> None:
-        """Refuse at once, before any tokenising, when the queue (or ``tenant``'s share of it) is full
-        or the server is draining: a flood costs no CPU beyond this check."""
+    def check_room(
+        self, tenant: str = DEFAULT_TENANT, *, weight: float = 1.0, priority: int = 1,
+        arrived: float | None = None, first: int = 1, total: int = 1, inputs: int = 1,
+    ) -> None:
+        """Refuse at once, before any tokenising, a request of about ``total`` tokens in ``inputs``
+        inputs (the first of about ``first``) that the queue bounds or the queue's regime would refuse,
+        or any while the server is draining: a flood costs no CPU beyond this check. Estimates: err low."""
         self._refuse_if_closing()
-        refusal = self.scheduler.check_room(tenant, 1, time.monotonic())
+        now = time.monotonic()
+        refusal = self.scheduler.precheck(first, total, inputs, tenant, weight, priority,
+                                          now if arrived is None else arrived, now)
         if refusal is not None:
             self._metrics.rejected.labels(self.model, refusal.reason).inc()
-            raise _refusal_error(refusal, self.model)
+            raise refusal_error(refusal, self.model)
 
     def _refuse_if_closing(self) -> None:
         if self._closing:
@@ -227,16 +233,19 @@ class Batcher:
         priority: int = 1,
         deadline: float | None = None,
         kind: OutputKind = OutputKind.POOLED,
+        arrived: float | None = None,
     ) -> asyncio.Future[RequestResult]:
         """Admit one request's inputs (complete id sequences), or raise why not before any work is done.
 
         The future resolves with every input's rows (of ``kind``), or with the first failure; cancelling
         it drops the inputs still waiting. Cached inputs are answered at once; an input identical to one
-        already queued or running (of any request) waits for that one. ``deadline`` is on
-        ``time.monotonic()``.
+        already queued or running (of any request) waits for that one. ``deadline`` and ``arrived``
+        (when the request's head arrived; its waits count from then) are on ``time.monotonic()``.
         """
         self._refuse_if_closing()
         now = time.monotonic()
+        if arrived is None or arrived > now:
+            arrived = now
         cache, inflight = self._cache, self._inflight
         keys = [input_key(ids, kind) for ids in seqs]
         hits: list[tuple[int, np.ndarray]] = []
@@ -253,10 +262,11 @@ class Batcher:
             else:
                 fresh[key] = [i]
         if fresh:
-            refusal = self.scheduler.admit((len(seqs[p[0]]) for p in fresh.values()), tenant, deadline, now)
+            refusal = self.scheduler.admit((len(seqs[p[0]]) for p in fresh.values()), tenant, deadline, now,
+                                           weight=weight, priority=priority, arrived=arrived)
             if refusal is not None:
                 self._metrics.rejected.labels(self.model, refusal.reason).inc()
-                raise _refusal_error(refusal, self.model)
+                raise refusal_error(refusal, self.model)
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
@@ -283,8 +293,8 @@ class Batcher:
             work = _Work(seqs[positions[0]], key, job, positions[0], deadline, priority)
             work.waiters += [(job, p) for p in positions[1:]]
             inflight[key] = work
-            work.entry = Entry(len(work.ids), now, tenant, weight, priority, deadline, payload=work, flow=job,
-                               kind=kind)
+            work.entry = Entry(len(work.ids), arrived, tenant, weight, priority, deadline, payload=work,
+                               flow=job, kind=kind)
             entries.append(work.entry)
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
@@ -324,7 +334,16 @@ class Batcher:
             if gone:
                 self._metrics.rejected.labels(self.model, "cancelled").inc(len(gone))
         while True:
-            decision, expired, shed = sched.next(time.monotonic())
+            decision, expired, shed, late, retry_after = sched.next(time.monotonic())
+            if late:
+                self._metrics.rejected.labels(self.model, "late").inc(len(late))
+                for e, after in zip(late, retry_after, strict=True):
+                    self._answer([e], Overloaded(
+                        f"Model '{self.model}': the queue stands and this request could no longer have "
+                        "its first result within the latency bound; it was not computed.",
+                        retry_after=after,
+                        code="late",
+                    ))
             if expired:
                 self._metrics.rejected.labels(self.model, "expired").inc(len(expired))
                 self._answer(
@@ -368,11 +387,12 @@ class Batcher:
 
     def _gauges(self) -> None:
         sched = self.scheduler
-        queue = (sched.queued_items, sched.queued_tokens)
+        queue = (sched.queued_items, sched.queued_tokens, sched.standing)
         if queue != self._queue_shown:  # a gauge write is a locked file write under --workers
             self._queue_shown = queue
             self._series.queue_depth.set(queue[0])
             self._series.queued_tokens.set(queue[1])
+            self._series.queue_standing.set(queue[2])
         # Only tenants with work waiting are exported: tenant names come from clients. Under --workers
         # the shared series can never be removed, so none is exported there.
         if self._metrics.multiprocess_dir is not None:
@@ -465,7 +485,8 @@ class Batcher:
         )
 
 
-def _refusal_error(refusal: Refusal, model: str) -> CoalesceError:
+def refusal_error(refusal: Refusal, model: str) -> CoalesceError:
+    """The error a refusal is answered with (429, 503, or 400 for a request too large ever to fit)."""
     if refusal.reason == "too_large":
         return InvalidRequest(f"Model '{model}': {refusal.message}", param="input", code="request_too_large")
     if refusal.reason == "deadline_unmeetable":

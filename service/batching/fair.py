@@ -75,6 +75,7 @@ class Entry:
     flow: Hashable = None
     kind: object = None  # what the runner returns for it: entries of different kinds never share a batch
     bulk: bool = False  # part of a request of many inputs (the scheduler sets it; see interactive_batch_s)
+    lead: bool = False  # its request's first input, whose start admission judged (see admit.py)
     taken: bool = field(default=False, repr=False)
     _flow: _Flow | None = field(default=None, init=False, repr=False)  # set by FairQueue.add
 
@@ -106,6 +107,7 @@ class _Class:
     vtime: float = 0.0  # tokens served / weight, among the tenant's classes
     clock: float = 0.0  # the flow level's fluid virtual time
     items: int = 0
+    tokens: int = 0
     flows: dict[Hashable, _Flow] = field(default_factory=dict)  # flows with waiting inputs
     order: list[_Key] = field(default_factory=list)  # those flows by (start, finish, join order)
     multi: int = 0  # flows with more than one waiting input
@@ -180,6 +182,7 @@ class FairQueue:
                 f.items += 1
             e._flow = f
             c.items += 1
+            c.tokens += e.n_tokens
             t.items += 1
             t.queued_tokens += e.n_tokens
             self.items += 1
@@ -215,6 +218,28 @@ class FairQueue:
     def active_flows(self) -> int:
         """Flows with inputs waiting (requests, for the batcher), over every tenant and class."""
         return sum(len(c.flows) for t in self._active.values() for c in t.classes)
+
+    def tokens_ahead(self, tenant: str, weight: float, priority: int, tokens: int) -> int:
+        """About how many waiting tokens fair order serves before a new request of ``tokens`` tokens of
+        ``tenant`` (at ``weight``) and class ``priority`` is done: the fluid share of each level.
+
+        Within its class each waiting request (flow) goes first with its next input, or with as many
+        tokens as this request's ``tokens`` (start-time fair queuing: one-input requests that came
+        earlier all go first); each other class of its tenant its class weight's share of that; each other
+        tenant its weight's share of the tenant's. So a flood of one tenant or class does not count
+        against a light one, and a fresh ``high`` query counts little of a ``normal`` backlog."""
+        t = self._active.get(tenant)
+        own: float = tokens
+        if t is not None:
+            mine = t.classes[min(max(priority, 0), 2)]
+            if mine.items:  # each flow sends about one input, or as many tokens as this request
+                own += min(mine.tokens, len(mine.flows) * max(tokens, mine.tokens / mine.items))
+            scale = own / mine.weight
+            own += sum(min(c.tokens, c.weight * scale) for c in t.classes if c is not mine and c.tokens)
+            weight = t.weight
+        scale = own / weight
+        others = sum(min(x.queued_tokens, x.weight * scale) for x in self._active.values() if x is not t)
+        return int(own - tokens + others)
 
     def tenant_tokens(self, name: str) -> int:
         t = self.tenants.get(name)
@@ -263,8 +288,9 @@ class FairQueue:
         else:
             for c in classes:
                 _reorder(c, {f: got for f, got in flows.items() if f.cls is c})
-        for c, (_, n) in classes.items():
+        for c, (tokens, n) in classes.items():
             c.items -= n
+            c.tokens -= tokens
         for t, (tokens, n) in tenants.items():
             t.items -= n
             t.queued_tokens -= tokens

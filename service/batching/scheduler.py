@@ -2,8 +2,12 @@
 
 It owns the waiting entries of one model and decides, when asked with the current time:
 
-* **admission** — the queue bound (model-wide and per named tenant, one check: :meth:`Scheduler.check_room`)
-  and requests that cannot meet their deadline, refused at once with a retry hint;
+* **admission** — the queue bound (model-wide and per named tenant, one check: :meth:`Scheduler.check_room`),
+  the predicted wait against what the queue's regime admits (:mod:`.overload`: a burst into a queue that
+  keeps emptying up to ``burst_wait_s``; into a standing queue only what finishes within
+  ``max_queue_wait_s``, counting the time the request spent before admission), and requests that
+  cannot meet their deadline, refused at once with a retry hint; a request's first input that can no
+  longer start when it was promised is dropped when its turn comes (``late``), not computed late;
 * **order** — fair queuing over tokens at three levels (:mod:`.fair`): tenants share the model by weight;
   within a tenant the priority classes share it by class weight; within a class each request (flow)
   gets an equal share, and its inputs go in arrival order. Batches are filled across waiting requests,
@@ -34,11 +38,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
+from .admit import AdmissionConfig, Admitter, Refusal
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
 from .policy import Limits, PaddedCost, form_batch, window_size
@@ -52,6 +56,7 @@ __all__ = [
     "Refusal",
     "Scheduler",
     "SchedulerConfig",
+    "Step",
     "Strategy",
     "Wait",
 ]
@@ -79,23 +84,30 @@ class SchedulerConfig:
     # binds first); 0 = off (bulk batches as large as the other limits allow).
     interactive_batch_s: float = 0.05
     pipeline_depth: int = 1
-    # A request whose first input is predicted to wait longer than this before it runs is refused at once
-    # (429 queue_full with Retry-After) instead of joining a backlog it would only lengthen: under
-    # sustained overload the queue stays near this many seconds and admitted requests keep their
-    # latency. 0 = off (only the token bounds and deadlines refuse).
+    # Admission by the queue's regime (see overload.py); 0 = off (only the token bounds and deadlines
+    # refuse). Under a standing queue a request is admitted only if it is predicted to have its first
+    # result within this many seconds of its head arriving (time before admission + queue wait + its
+    # forward); the rest is refused at once (429 overloaded, Retry-After), so admitted requests keep
+    # their latency and refused ones cost little.
     max_queue_wait_s: float = 0.0
+    # While the queue keeps emptying, a burst is admitted as long as its first input is predicted to
+    # wait at most this many seconds in the queue (429 queue_full beyond): what it takes to serve a
+    # burst well within a request's deadline.
+    burst_wait_s: float = 10.0
+    # The queue stands once its oldest waiting input has been older than queue_target_s for a whole
+    # queue_interval_s (CoDel's target and interval); it is good again as soon as it is not.
+    queue_target_s: float = 0.125
+    queue_interval_s: float = 0.5
+
+    def admission(self) -> AdmissionConfig:
+        """The knobs admission reads (:mod:`.admit`)."""
+        return AdmissionConfig(
+            self.limits.max_batch_size, self.max_queued_tokens, self.tenant_max_queued_tokens,
+            self.max_queue_wait_s, self.burst_wait_s, self.queue_target_s, self.queue_interval_s,
+        )
 
 
 INTERACTIVE_INPUTS = 4  # a request of at most this many inputs is a query, not ingestion
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why an admission was refused: ``reason`` is a metric label; ``retry_after`` is in seconds."""
-
-    reason: Literal["queue_full", "tenant_queue_full", "deadline_unmeetable", "too_large"]
-    message: str
-    retry_after: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +120,16 @@ class Dispatch:
 @dataclass(frozen=True, slots=True)
 class Wait:
     until: float  # ask again then (or sooner, when something changes)
+
+
+class Step(NamedTuple):
+    """What :meth:`Scheduler.next` decided, and the entries it took out unrun for the caller to answer."""
+
+    decision: Dispatch | Wait | None  # a batch to run now, a time to ask again, or nothing to do
+    expired: list[Entry]  # their deadline passed
+    shed: list[Entry]  # they cannot finish by their deadline
+    late: list[Entry]  # first inputs the regime would no longer run (answered 429, not computed late)
+    retry_after: list[float]  # when each of ``late`` should come back, in seconds
 
 
 class Scheduler:
@@ -124,6 +146,10 @@ class Scheduler:
         self._promoted_s = 0.0  # predicted time of batches _query_first moved up since bulk anchored one
         self._deadlines: list[tuple[float, int, Entry]] = []  # heap of entries that have one
         self._seq = itertools.count()
+        self.admission = Admitter(
+            config.admission(), self._queue, cost, padded_cost, lambda now: max(0.0, self.busy_until - now)
+        )
+        self.regime = self.admission.regime
 
     @property
     def queued_tokens(self) -> int:
@@ -133,93 +159,43 @@ class Scheduler:
     def queued_items(self) -> int:
         return self._queue.items
 
-    # -- admission -----------------------------------------------------------------------------------
+    # -- admission (admit.py) ------------------------------------------------------------------------
     def check_room(self, tenant: str, tokens: int, now: float) -> Refusal | None:
-        """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not.
+        """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not."""
+        return self.admission.check_room(tenant, tokens, now)
 
-        The model-wide bound applies to everyone; the tenant bound to named tenants (the default tenant
-        has only the model's). ``check_room(tenant, 1, now)`` before tokenising refuses a flood early.
-        """
-        cfg = self.config
-        queued = self._queue.tokens
-        if queued + tokens > cfg.max_queued_tokens:
-            return Refusal(
-                "queue_full",
-                f"{queued} tokens are waiting (bound {cfg.max_queued_tokens}); retry later.",
-                self.drain_s(now),
-            )
-        if tenant != DEFAULT_TENANT:
-            held = self._queue.tenant_tokens(tenant)
-            if held + tokens > cfg.tenant_max_queued_tokens:
-                return Refusal(
-                    "tenant_queue_full",
-                    f"Tenant '{tenant}' has {held} tokens waiting (bound "
-                    f"{cfg.tenant_max_queued_tokens}); retry later.",
-                    self.drain_s(now),
-                )
-        return None
+    def admit(
+        self,
+        tokens: Iterable[int],
+        tenant: str,
+        deadline: float | None,
+        now: float,
+        *,
+        weight: float = 1.0,
+        priority: int = 1,
+        arrived: float | None = None,
+    ) -> Refusal | None:
+        """None if a request of these inputs may queue now; else why not (:meth:`Admitter.admit`)."""
+        return self.admission.admit(tokens, tenant, deadline, now, weight=weight, priority=priority,
+                                    arrived=arrived)
 
-    def admit(self, tokens: Iterable[int], tenant: str, deadline: float | None, now: float) -> Refusal | None:
-        """None if a request of these inputs may queue now; else why not."""
-        lengths = list(tokens)
-        total = sum(lengths)
-        cfg = self.config
-        if total > cfg.max_queued_tokens:
-            return Refusal(
-                "too_large",
-                f"The request holds {total} tokens, more than this model ever queues "
-                f"({cfg.max_queued_tokens}); split it.",
-                0.0,
-            )
-        refusal = self.check_room(tenant, total, now)
-        if refusal is not None:
-            return refusal
-        flows = self._queue.active_flows()  # once: both predictions below wait behind the same requests
-        if cfg.max_queue_wait_s > 0:
-            # Until its first input runs, in fair order, past the batches already running: those are
-            # bounded by the batch limits, and one long batch on a slow machine is not a backlog.
-            wait = self._wait_s(lengths[0], 1, now, flows) - max(0.0, self.busy_until - now)
-            if wait > cfg.max_queue_wait_s:
-                return Refusal(
-                    "queue_full",
-                    f"The queue ahead needs about {wait:.3f} s before this request would start (bound "
-                    f"{cfg.max_queue_wait_s:.3f} s); retry later.",
-                    self.drain_s(now),
-                )
-        if deadline is not None:
-            finish = now + self._wait_s(total, len(lengths), now, flows) + self.cost.predict(
-                self.padded_cost(len(lengths), max(lengths))
-            )
-            if finish > deadline:
-                return Refusal(
-                    "deadline_unmeetable",
-                    f"The queue ahead needs about {finish - now:.3f} s, past this request's deadline.",
-                    self.drain_s(now),
-                )
-        return None
-
-    def _wait_s(self, tokens: int, inputs: int, now: float, flows: int) -> float:
-        """Predicted seconds until a new request of ``inputs`` inputs and ``tokens`` tokens starts its
-        last batch. Requests share the model fairly, so each one waiting is served about as many
-        tokens as this one before it is done, not all of its own: what runs first is at most one such
-        share per waiting request (and never more than all that waits). Priorities and tenant weights
-        move shares around; past this estimate, the deadline still answers 504. ``flows``: the requests
-        waiting (``FairQueue.active_flows``)."""
-        ahead_tokens = min(self.queued_tokens, flows * tokens)
-        ahead_inputs = min(self.queued_items, flows * inputs)
-        coef = self.cost.coef
-        batches = math.ceil(ahead_inputs / self.config.limits.max_batch_size)
-        return max(0.0, self.busy_until - now) + batches * coef.overhead_s + ahead_tokens * coef.per_token_s
+    def precheck(
+        self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
+        arrived: float, now: float,
+    ) -> Refusal | None:
+        """Before tokenising, on estimated counts (:meth:`Admitter.precheck`)."""
+        return self.admission.precheck(first, total, inputs, tenant, weight, priority, arrived, now)
 
     def drain_s(self, now: float) -> float:
         """Predicted seconds until everything already admitted has run."""
-        coef = self.cost.coef
-        batches = math.ceil(self.queued_items / self.config.limits.max_batch_size)
-        return (
-            max(0.0, self.busy_until - now)
-            + batches * coef.overhead_s
-            + self.queued_tokens * coef.per_token_s
-        )
+        return self.admission.drain_s(now)
+
+    def waits(self, now: float) -> list[float]:
+        """Predicted seconds before the first input of a new one-token request of the default tenant
+        would start, by priority class: what a gateway checks its requests against before tokenising."""
+        queue, wait_s = self._queue, self.admission.wait_s
+        aheads = [queue.tokens_ahead(DEFAULT_TENANT, 1.0, p, 1) for p in range(3)]
+        return [wait_s(ahead, now) if ahead else 0.0 for ahead in aheads]  # nothing ahead: no backlog
 
     def add(self, entries: Iterable[Entry], inputs: int | None = None) -> None:
         """Queue admitted entries (one request's inputs, in order; they share its ``flow``). ``inputs``
@@ -228,27 +204,53 @@ class Scheduler:
         if (len(entries) if inputs is None else inputs) > INTERACTIVE_INPUTS:
             for e in entries:
                 e.bulk = True
+        if entries:
+            entries[0].lead = True
         self._queue.add(entries)
+        self.regime.add(entries)
         for e in entries:
             if e.deadline is not None:
                 heapq.heappush(self._deadlines, (e.deadline, next(self._seq), e))
 
     # -- dispatch ------------------------------------------------------------------------------------
-    def next(self, now: float) -> tuple[Dispatch | Wait | None, list[Entry], list[Entry]]:
-        """(decision, expired, shed). Expired entries passed their deadline; shed ones cannot meet it.
+    @property
+    def standing(self) -> bool:
+        """Whether the queue stands (see :mod:`.overload`), as of the last admission or dispatch."""
+        return self.regime.standing
 
-        Neither is in any batch; the caller answers them. The decision is a batch to run now, a time to
-        ask again, or None (nothing to do until an entry arrives or a batch finishes).
+    def next(self, now: float) -> Step:
+        """What to do now. Expired entries passed their deadline; shed ones cannot meet it; late ones
+        are first inputs that cannot start when admission promised (they would run late).
+
+        None of them is in any batch; the caller answers them. The decision is a batch to run now, a
+        time to ask again, or None (nothing to do until an entry arrives or a batch finishes).
         """
         expired, shed = self._drop_hopeless(now)
+        step = self._next(now, expired, shed)
+        self.regime.observe(now)
+        return step
+
+    def _next(self, now: float, expired: list[Entry], shed: list[Entry]) -> Step:
         if self._queue.items == 0 or self.inflight >= self.config.pipeline_depth:
-            return None, expired, shed
+            return Step(None, expired, shed, [], [])
         cfg = self.config
+        start = max(now, self.busy_until)
         window = self._queue.window(window_size(cfg.limits))
+        late: list[Entry] = []
+        retry: list[float] = []
+        while True:
+            dropped = self.admission.late(window, start, now)
+            if not dropped:
+                break
+            self._queue.take(dropped, charge=False)
+            late += dropped
+            retry += self.admission.late_retry(now, dropped)
+            if self._queue.items == 0:
+                return Step(None, expired, shed, late, retry)
+            window = self._queue.window(window_size(cfg.limits))
         # The batch is of the anchor's kind; the others wait for a batch of their own.
         kind = window[0].kind
         window = [e for e in window if e.kind == kind]
-        start = max(now, self.busy_until)
         promoted = False  # a query moved up ahead of the bulk input fair order serves next
         if cfg.strategy == "none":
             picked = [0]
@@ -257,7 +259,7 @@ class Scheduler:
             full = len(picked) >= cfg.limits.max_batch_size or len(picked) < len(window)
             oldest = min(e.arrival for e in window)
             if not (full or now >= oldest + cfg.max_wait_s):
-                return Wait(oldest + cfg.max_wait_s), expired, shed
+                return Step(Wait(oldest + cfg.max_wait_s), expired, shed, late, retry)
         else:
             if cfg.interactive_batch_s > 0 and window[0].bulk:
                 window, promoted = self._query_first(window)
@@ -285,7 +287,7 @@ class Scheduler:
             )
             hold = self._hold_until(window, picked, now, budget)
             if hold is not None:
-                return Wait(hold), expired, shed
+                return Step(Wait(hold), expired, shed, late, retry)
         batch = [window[i] for i in picked]
         padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
         predicted = self.cost.predict(padded)
@@ -296,7 +298,7 @@ class Scheduler:
         self._queue.take(batch, charge=True)
         self.inflight += 1
         self.busy_until = start + predicted
-        return Dispatch(batch, padded, predicted), expired, shed
+        return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)
 
     def _query_first(self, window: list[Entry]) -> tuple[list[Entry], bool]:
         """``window`` (anchored by a bulk input) with the first query of the anchor's tenant and class

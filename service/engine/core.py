@@ -18,6 +18,7 @@ from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 
+from ..allocator import Trimmer
 from ..batching.batcher import Batcher
 from ..batching.cache import ResultCache
 from ..batching.cost import CostModel
@@ -53,7 +54,9 @@ class Engine:
         self._settings = settings
         self._metrics = metrics
         self._factory = factory
-        self.device = DeviceThread()
+        # On glibc without jemalloc, freed memory is handed back after batches (allocator.py).
+        self._trimmer = Trimmer.for_process(settings.allocator)
+        self.device = DeviceThread(after_batch=self._trimmer.batch_done if self._trimmer else None)
         self.cache = ResultCache(settings.cache_mb << 20)  # shared by every model's batcher
         self.models: list[EngineModel] = []
         self._closed = False
@@ -121,6 +124,8 @@ class Engine:
             await model.batcher.close()
             model.worker.close()
         await asyncio.get_running_loop().run_in_executor(None, self.device.close)
+        if self._trimmer is not None:
+            self._trimmer.close()
 
 
 def default_factory(settings: Settings) -> RunnerFactory:
@@ -144,7 +149,8 @@ def default_factory(settings: Settings) -> RunnerFactory:
     options = RunnerOptions(
         device=settings.device, dtype=settings.dtype, graphs=graphs, backend=settings.backend
     )
-    return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task)
+    return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task,
+                                    rerank_template=spec.rerank_template)
 
 
 def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
@@ -167,6 +173,10 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
         interactive_batch_s=settings.interactive_batch_ms / 1e3,
         pipeline_depth=depth,
         max_queue_wait_s=queue_wait_ms / 1e3,
+        burst_wait_s=settings.burst_wait_ms / 1e3,
+        queue_target_s=(settings.queue_target_ms if settings.queue_target_ms is not None
+                        else settings.target_latency_ms / 4) / 1e3,
+        queue_interval_s=settings.queue_interval_ms / 1e3,
     )
 
 

@@ -71,6 +71,7 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
     priority: int
     deadline: float  # time.monotonic(), the same clock in every process of the host
     tokens: bool = False
+    arrived: float = 0.0  # when its head reached the gateway (time.monotonic()); 0: unknown
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -105,8 +106,15 @@ class Failed(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Queue(msgspec.Struct, frozen=True, array_like=True):
+    """One model's queue as the engine saw it when it sent this: what a gateway refuses a request on
+    before tokenising it (``judge_wait`` in ``batching/admit.py``, for the default tenant)."""
+
     tokens: int  # tokens waiting
     drain_s: float  # predicted seconds until what is admitted has run
+    standing: bool = False  # the queue's regime
+    waits: list[float] = msgspec.field(default_factory=list)  # Scheduler.waits, by priority class
+    overhead_s: float = 0.0  # the cost model: a forward is overhead_s + per_token_s × padded tokens
+    per_token_s: float = 0.0
 
 
 class Results(msgspec.Struct, frozen=True, tag=True):

@@ -27,6 +27,7 @@ import zmq
 from coalesce.kernels.protocol import OutputKind
 
 from ..batching.batcher import RequestResult
+from ..batching.scheduler import Scheduler
 from ..errors import CoalesceError, InferenceFailed, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
@@ -117,7 +118,7 @@ class GatewayLink:
                 seqs = wire.unpack_job(job, frame.buffer, model.info)
                 fut = model.batcher.submit(
                     seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline,
-                    kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED,
+                    kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED, arrived=job.arrived or None,
                 )
             except wire.ProtocolError as exc:
                 log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
@@ -156,8 +157,7 @@ class GatewayLink:
     def _flush(self) -> None:
         self._flushing = False
         now = time.monotonic()
-        queues = [wire.Queue(m.batcher.scheduler.queued_tokens, m.batcher.scheduler.drain_s(now))
-                  for m in self._engine.models]
+        queues = [_queue(m.batcher.scheduler, now) for m in self._engine.models]
         msg = wire.Results(self._done, self._failed, queues)
         frames = self._frames
         self._done, self._failed, self._frames = [], [], []
@@ -231,6 +231,12 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
         link.close()
     ctx.term()
     return code
+
+
+def _queue(sched: Scheduler, now: float) -> wire.Queue:
+    coef = sched.cost.coef
+    return wire.Queue(sched.queued_tokens, sched.drain_s(now), sched.standing, sched.waits(now),
+                      coef.overhead_s, coef.per_token_s)
 
 
 def _offer(model: EngineModel, settings: Settings) -> wire.ModelOffer:

@@ -4,12 +4,12 @@ Routes read these first, before decoding inputs or tokenising, so a malformed he
 else. The tenant comes from the API key when keys are configured (``auth``), else from ``X-Tenant``.
 ``X-Priority`` (high, normal, low) orders work within a tenant; tenants share the model by weight, so
 marking everything high cannot jump another tenant's queue. ``X-Request-Timeout`` (ms) sets the
-deadline, capped by the server's.
+deadline, capped by the server's, counted from when the request's head arrived (``guard.arrived``):
+the time a request spent waiting for the event loop or its body is part of its budget.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -17,6 +17,7 @@ from aiohttp import web
 from ..batching.scheduler import DEFAULT_TENANT, PRIORITIES
 from ..errors import InvalidRequest
 from .auth import TENANT, TENANT_RE
+from .guard import arrived
 from .state import SETTINGS
 
 
@@ -27,6 +28,7 @@ class Admission:
     priority: int
     timeout_s: float
     deadline: float  # on time.monotonic()
+    arrived: float  # when the request's head arrived, on time.monotonic()
 
 
 def admission(request: web.Request) -> Admission:
@@ -62,4 +64,5 @@ def admission(request: web.Request) -> Admission:
                 code="invalid_header",
             )
         timeout = min(timeout, cap)
-    return Admission(tenant, weight, PRIORITIES[raw_priority], timeout, time.monotonic() + timeout)
+    start = arrived(request)
+    return Admission(tenant, weight, PRIORITIES[raw_priority], timeout, start + timeout, start)

@@ -47,7 +47,7 @@ async def encode_inputs(
         return await encode_texts(model, adm, texts, cut=cut, field="input", hint=_HINT, prompt=prompt)
     for i, arr in enumerate(arrays):
         check_ids(arr, model.info.vocab_size, i)
-    model.check_room(adm)
+    model.check_room(adm, len(arrays[0]), sum(map(len, arrays)), len(arrays))
     text = model.prompts.default if isinstance(prompt, ModelDefault) else prompt
     head = model.tokens.tokenize([text])[0] if text else []
     return fit_sequences(model, [[*head, *arr] for arr in arrays], cut=cut, field="input", hint=_HINT,

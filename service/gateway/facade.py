@@ -28,9 +28,12 @@ from coalesce.kernels.calibration import ranges
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
 from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 
-from ..batching.batcher import Batcher, RequestResult
+from ..batching.admit import AdmissionConfig, Refusal, judge_wait
+from ..batching.batcher import Batcher, RequestResult, refusal_error
+from ..batching.fair import DEFAULT_TENANT
+from ..batching.overload import RetryPacer
 from ..engine.core import Engine, RunnerFactory
-from ..errors import DeadlineExceeded, InvalidRequest, Overloaded
+from ..errors import DeadlineExceeded, InvalidRequest
 from ..metrics import Metrics
 from ..settings import Settings
 from .admission import Admission
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from .remote import EngineClient
 
 _BULK_TEXTS = 32  # a request of more texts than this tokenises apart from the others
+_CHARS_PER_TOKEN = 5  # for estimates before tokenising, on the low side (English word pieces: ~4)
 TOKENIZER_THREADS = 2  # per model per gateway process: one for queries, one for bulk requests
 _Pending = tuple[Sequence[str], "asyncio.Future[list[list[int]]]"]
 
@@ -146,9 +150,21 @@ class ServedModel:
         return known
 
     # -- running -------------------------------------------------------------------------------------
-    def check_room(self, adm: Admission) -> None:
-        """Raise (429, 503) when the model cannot take more work now, before any tokenising."""
+    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
+        """Raise (429, 503) when the model cannot take a request of about ``total`` tokens in
+        ``inputs`` inputs (the first of about ``first``) now, before any tokenising (estimates: err
+        low; the model decides again on the real counts)."""
         raise NotImplementedError
+
+    def estimate(self, texts: Sequence[str], prompt: str | None = None) -> tuple[int, int]:
+        """(tokens of the first text, tokens of all) as :meth:`check_room` takes them, from their
+        lengths in characters: an estimate on the low side (a word piece is rarely under 4 characters),
+        for a decision before tokenising."""
+        extra = self.specials + (len(prompt) // _CHARS_PER_TOKEN if prompt else 0)
+        most = self.info.max_tokens
+        first = min(most, len(texts[0]) // _CHARS_PER_TOKEN + extra) if texts else 0
+        total = sum(min(most, len(t) // _CHARS_PER_TOKEN + extra) for t in texts)
+        return first, total
 
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
@@ -204,44 +220,70 @@ class LocalModel(ServedModel):
                          calibration=calibration)
         self._batcher = batcher
 
-    def check_room(self, adm: Admission) -> None:
-        self._batcher.check_room(adm.tenant)
+    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
+        self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority, arrived=adm.arrived,
+                                 first=first, total=total, inputs=inputs)
 
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
     ) -> asyncio.Future[RequestResult]:
         return self._batcher.submit(
             seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline,
-            kind=kind,
+            kind=kind, arrived=adm.arrived,
         )
 
 
 class RemoteModel(ServedModel):
     """The model in the engine process, reached through this gateway's ``EngineClient``.
 
-    The queue bound is the engine's to enforce; ``check_room`` refuses early only on the engine's
-    last reported queue, when that report is fresh (the engine attaches it to every reply).
+    Admission is the engine's to decide, with every gateway's requests in view; ``check_room`` refuses
+    early, before tokenising, only on the engine's last reported queue, when that report is fresh (the
+    engine attaches it to every reply): the queue bound, and for the default tenant the regime's wait
+    bound (``judge_wait``; a named tenant's share depends on what it has queued, which only the engine
+    knows, so its requests are tokenised and decided there).
     """
 
     def __init__(self, client: EngineClient, index: int, info: ModelInfo, tokens: Tokens, *,
                  device: str, max_queued_tokens: int, metrics: Metrics, prompts: Prompts,
-                 calibration: np.ndarray | None) -> None:
+                 calibration: np.ndarray | None, admission: AdmissionConfig, gateways: int) -> None:
         super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts,
                          calibration=calibration)
         self._client = client
         self._index = index
         self._bound = max_queued_tokens
+        self._admission = admission
+        self._gateways = gateways
+        self._pacer = RetryPacer(longest_s=max(admission.burst_wait_s, 1.0))
 
-    def check_room(self, adm: Admission) -> None:
+    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
         self._client.check_open()
-        queued, drain_s = self._client.load(self._index)
-        if queued >= self._bound:
-            self._metrics.rejected.labels(self.info.name, "queue_full").inc()
-            raise Overloaded(
-                f"Model '{self.info.name}': {queued} tokens are waiting (bound {self._bound}); retry later.",
-                retry_after=drain_s,
-                code="queue_full",
-            )
+        report = self._client.report(self._index)
+        if report is None:
+            return
+        queue, age = report
+        if queue.tokens >= self._bound:
+            self._refuse(Refusal("queue_full", f"{queue.tokens} tokens are waiting (bound {self._bound}); "
+                                 "retry later.", queue.drain_s))
+        cfg = self._admission
+        if adm.tenant != DEFAULT_TENANT or cfg.max_queue_wait_s <= 0 or not queue.waits:
+            return
+        now = time.monotonic()
+        wait = max(0.0, queue.waits[min(max(adm.priority, 0), 2)] - age)
+        if wait <= 0:
+            return
+        own = queue.overhead_s + queue.per_token_s * first
+        verdict = judge_wait(queue.standing, max(0.0, now - adm.arrived), wait, own, cfg)
+        if verdict is not None:
+            reason, allowed, what = verdict
+            # Each gateway paces its own refusals: one in N of the returning callers is its own.
+            one = queue.per_token_s * total + queue.overhead_s * inputs / cfg.max_batch_size
+            cost = one * self._gateways
+            retry = self._pacer.after(now, wait - max(allowed, 0.0) / 2, cost)
+            self._refuse(Refusal(reason, f"{what}; retry in {retry:.3f} s.", retry))
+
+    def _refuse(self, refusal: Refusal) -> None:
+        self._metrics.rejected.labels(self.info.name, refusal.reason).inc()
+        raise refusal_error(refusal, self.info.name)
 
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind

@@ -31,6 +31,10 @@ What aiohttp lacks, added here:
   not dead, and a restart would not help), then closed gently. An answer rather than not accepting: a
   connection left in the kernel's backlog looks like a hang to its client and to a load balancer, while
   503 with Retry-After is what the ``openai`` client and balancers retry elsewhere.
+* **when a request arrived**: aiohttp keeps no time of a request's arrival, and under load the wait
+  before a handler runs (the event loop, then the body) is where latency hides. Each connection stamps
+  the first bytes of a request head with the event loop's time of that turn (:func:`arrived`), so
+  admission counts every wait from then (``coalesce.service.batching.admit``).
 * **the descriptor limit**: :class:`GuardedSite` raises the soft ``RLIMIT_NOFILE`` to the hard one when
   it starts, and :func:`connection_cap` lowers the cap to keep a reserve for the process's own files and
   sockets and for refusals in flight.
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import time
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -178,6 +183,9 @@ class _GuardedHandler(RequestHandler):
         self._refused_head = False  # a bad head was answered: close gently after the answer
         self._linger_timer: asyncio.TimerHandle | None = None  # set once closing: input is dropped
         self._counted = False
+        # When this turn of the loop began, as the first bytes of the request head now being read
+        # arrived; None between requests and for a head pipelined behind a running request.
+        self.head_at: float | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._connections.opened()
@@ -196,6 +204,8 @@ class _GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._linger_timer is not None:
             return
+        if self._awaiting_head and self.head_at is None:
+            self.head_at = self._loop.time()  # the loop's time of this turn: earlier callbacks' waits count
         parsed = self._request_count
         super().data_received(data)
         if self._request_count != parsed:  # a head is complete (or refused): its deadline is met
@@ -264,6 +274,7 @@ class _GuardedHandler(RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         result = await super().finish_response(request, resp, start_time)
         self._awaiting_head = True
+        self.head_at = None
         self._stop_head_timer()
         if self._refused_head:
             self._close_gently(b"")
@@ -356,6 +367,14 @@ class GuardedSite(web.BaseSite):
             server, connections=self.connections, header_timeout=self._header_timeout,
             timed_out=self._timed_out, **self._kwargs,
         )
+
+
+def arrived(request: web.BaseRequest) -> float:
+    """When ``request``'s head began to arrive, on ``time.monotonic()``'s clock (now if unknown)."""
+    now = time.monotonic()
+    protocol = request.protocol
+    head_at = protocol.head_at if isinstance(protocol, _GuardedHandler) else None
+    return now if head_at is None or head_at > now else head_at
 
 
 def body_too_large(limit: int) -> PayloadTooLarge:

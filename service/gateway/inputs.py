@@ -17,6 +17,7 @@ from coalesce.kernels.protocol import ModelInfo, PairIds, PromptIds
 from ..errors import InvalidRequest
 from .admission import Admission
 from .facade import ServedModel
+from .llm_pairs import encode_template_pairs
 from .state import SETTINGS
 
 T = TypeVar("T", str, list[int])
@@ -89,8 +90,8 @@ def truncating(request: web.Request, truncate: bool | None) -> bool:
 
 
 def _too_long(info: ModelInfo, field: str, i: int, tokens: int, hint: str,
-              longest: int | None = None) -> InvalidRequest:
-    most = f"{info.max_tokens}" if longest in (None, info.max_tokens) else f"{longest} here (max_tokens)"
+              longest: int | None = None, bound: str = "max_tokens") -> InvalidRequest:
+    most = f"{info.max_tokens}" if longest in (None, info.max_tokens) else f"{longest} here ({bound})"
     return InvalidRequest(
         f"{field}[{i}] has {tokens} tokens; model '{info.name}' takes at most {most}. Shorten it, or {hint}.",
         param=f"{field}[{i}]",
@@ -135,7 +136,7 @@ async def tokenize_texts(
     """(raw ids of each text behind ``prompt``, the prompt's length in tokens), after refusing a full
     queue. The prompt is tokenised together with each text, as sentence-transformers does."""
     text = model.prompts.default if isinstance(prompt, ModelDefault) else prompt
-    model.check_room(adm)  # refuse a flood before tokenising it
+    model.check_room(adm, *model.estimate(texts, text), len(texts))  # refuse before tokenising
     raw = await model.tokenize([text + t for t in texts] if text else texts)
     return raw, model.prompt_length(text) if text else 0
 
@@ -190,22 +191,50 @@ async def encode_pairs(
     field: str,
     positions: Sequence[int] | None = None,
     max_b: int | None = None,
-) -> list[PairIds]:
+    limit: int | None = None,
+    instruction: str | None = None,
+) -> list[list[int]]:
     """Complete id sequences for text pairs (segment B marked), truncated longest-first or rejected.
 
     Each distinct string is tokenised once, so a rerank query shared by every pair costs one pass.
-    ``max_b`` first cuts every second text to that many tokens (Cohere's ``max_tokens_per_doc``).
+    ``max_b`` first cuts every second text to that many tokens (Cohere's ``max_tokens_per_doc``);
+    ``limit`` caps a pair below the model's own maximum (special tokens included). An LLM reranker's
+    pairs are read through its template with ``instruction`` (None: the template's) instead, cutting
+    only the second text (see ``llm_pairs``).
     """
+    longest = model.info.max_tokens if limit is None else min(limit, model.info.max_tokens)
+    template = model.info.rerank_template
+    if template is not None:
+        return await encode_template_pairs(
+            model, adm, pairs, instruction=template.instruction if instruction is None else instruction,
+            cut=cut, field=field, limit=longest, positions=positions, max_b=max_b,
+        )
     distinct = list(dict.fromkeys(s for pair in pairs for s in pair))
-    model.check_room(adm)  # refuse a flood before tokenising it
+    first, total = model.estimate([a + b for a, b in pairs[:1]])
+    model.check_room(adm, first, first * len(pairs), len(pairs))  # refuse before tokenising
     ids_of = dict(zip(distinct, await model.tokenize(distinct), strict=True))
     tokens = model.tokens
     specials = len(tokens.pair_with_special_tokens([], [])[0])
-    seqs = []
+    seqs: list[list[int]] = []
     for i, (a, b) in enumerate(pairs):
         ids_a, ids_b = ids_of[a], ids_of[b][:max_b]
         total = len(ids_a) + len(ids_b) + specials
-        if total > model.info.max_tokens and not cut:
-            raise _too_long(model.info, field, positions[i] if positions else i, total, SEND_TRUNCATE)
+        if total > longest:
+            if not cut:
+                raise _too_long(model.info, field, positions[i] if positions else i, total, SEND_TRUNCATE,
+                                longest, bound="--max-rerank-tokens")
+            ids_a, ids_b = _longest_first(ids_a, ids_b, longest - specials)
         seqs.append(PairIds(*tokens.pair_with_special_tokens(ids_a, ids_b)))
     return seqs
+
+
+def _longest_first(a: list[int], b: list[int], room: int) -> tuple[list[int], list[int]]:
+    """``a`` and ``b`` cut to ``room`` ids together, a token at a time from the longer (as the
+    tokenizer's own ``longest_first`` truncation cuts a pair)."""
+    la, lb = len(a), len(b)
+    while la + lb > max(room, 0):
+        if la >= lb:
+            la -= 1
+        else:
+            lb -= 1
+    return a[:la], b[:lb]

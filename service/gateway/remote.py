@@ -25,6 +25,7 @@ from coalesce.kernels.tokens import TokenizerAdapter
 from ..batching.batcher import RequestResult
 from ..engine import messages as wire
 from ..engine.channel import Link
+from ..engine.core import scheduler_config
 from ..errors import Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
@@ -89,13 +90,13 @@ class EngineClient:
                 "The server is draining; retry on another replica.", retry_after=1, code="draining"
             )
 
-    def load(self, model: int) -> tuple[int, float]:
-        """(tokens waiting, predicted drain seconds) for ``model`` as the engine last reported, or
-        (0, 0.0) when that report is too old to tell."""
-        if time.monotonic() - self._queues_at > _QUEUE_REPORT_TTL_S or model >= len(self._queues):
-            return 0, 0.0
-        q = self._queues[model]
-        return q.tokens, q.drain_s
+    def report(self, model: int) -> tuple[wire.Queue, float] | None:
+        """``model``'s queue as the engine last reported it and that report's age in seconds, or None
+        when it is too old to tell."""
+        age = time.monotonic() - self._queues_at
+        if age > _QUEUE_REPORT_TTL_S or model >= len(self._queues):
+            return None
+        return self._queues[model], age
 
     def submit(
         self, model: int, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind = OutputKind.POOLED
@@ -111,7 +112,7 @@ class EngineClient:
         self._idle.clear()
         self._jobs.append(
             wire.Job(job_id, model, len(seqs), marked, adm.tenant, adm.weight, adm.priority, adm.deadline,
-                     kind is OutputKind.TOKENS)
+                     kind is OutputKind.TOKENS, adm.arrived)
         )
         self._frames.append(frame)
         self._schedule_flush()
@@ -253,6 +254,8 @@ class RemoteBackend:
                 max_queued_tokens=offer.max_queued_tokens, metrics=self._metrics,
                 prompts=Prompts.of(offer.info, self._settings),
                 calibration=_rows(offer.calibration, offer.info.dim),
+                admission=scheduler_config(self._settings, offer.info.max_tokens, 1).admission(),
+                gateways=self._settings.workers,
             ))
 
     async def drain(self, timeout: float) -> bool:

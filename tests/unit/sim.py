@@ -10,7 +10,7 @@ import heapq
 import random
 from collections import defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.scheduler import Dispatch, Entry, Scheduler, SchedulerConfig, Wait
@@ -26,6 +26,8 @@ class Arrival:
     timeout: float | None = None
     flow: Hashable = None
     inputs: int = 1
+    retries: int = 0  # a refused (or late) one comes back after its Retry-After this many times
+    arrived: float | None = None  # when its head arrived, if before ``time`` (when admission decides)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class Result:
     refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     expired: int = 0
     shed: int = 0
+    late: int = 0  # first inputs dropped at dequeue: the regime would no longer run them
+    retried: int = 0  # refusals (and late drops) that came back after their Retry-After
+    failed: list[Arrival] = field(default_factory=list)  # refused or late with no retry left
+    standing: list[tuple[float, bool]] = field(default_factory=list)  # (time, regime) at each change
     late_dispatches: int = 0  # entries dispatched after their deadline (must stay 0)
     batch_sizes: list[int] = field(default_factory=list)
     max_queued_tokens: int = 0
@@ -105,6 +111,13 @@ def simulate(
         heapq.heappush(events, (t, seq, kind, data))
         seq += 1
 
+    def come_back(arr: Arrival, now: float, after: float) -> None:
+        if arr.retries > 0:
+            res.retried += 1
+            push(now + after, "arrive", replace(arr, time=now + after, retries=arr.retries - 1, arrived=None))
+        else:
+            res.failed.append(arr)
+
     for arr in arrivals:
         push(arr.time, "arrive", arr)
     wake_at: float | None = None
@@ -116,11 +129,14 @@ def simulate(
         if kind == "arrive":
             arr: Arrival = data  # type: ignore[assignment]
             deadline = None if arr.timeout is None else now + arr.timeout
-            refusal = sched.admit([arr.tokens] * arr.inputs, arr.tenant, deadline, now)
+            head = now if arr.arrived is None else arr.arrived
+            refusal = sched.admit([arr.tokens] * arr.inputs, arr.tenant, deadline, now, weight=arr.weight,
+                                  priority=arr.priority, arrived=head)
             if refusal is not None:
                 res.refused[refusal.reason] += 1
+                come_back(arr, now, refusal.retry_after)
             else:
-                entry = (arr.tokens, now, arr.tenant, arr.weight, arr.priority, deadline, arr)
+                entry = (arr.tokens, head, arr.tenant, arr.weight, arr.priority, deadline, arr)
                 sched.add([Entry(*entry, flow=arr.flow) for _ in range(arr.inputs)])
             res.max_queued_tokens = max(res.max_queued_tokens, sched.queued_tokens)
         elif kind == "done":
@@ -142,9 +158,14 @@ def simulate(
                 continue
             wake_at = None
         while True:
-            decision, expired, shed = sched.next(now)
+            decision, expired, shed, late, retry_after = sched.next(now)
             res.expired += len(expired)
             res.shed += len(shed)
+            res.late += len(late)
+            for e, after in zip(late, retry_after, strict=True):
+                come_back(e.payload, now, after)
+            if not res.standing or res.standing[-1][1] != sched.standing:
+                res.standing.append((now, sched.standing))
             if isinstance(decision, Dispatch):
                 batch = decision.batch
                 res.late_dispatches += sum(1 for e in batch if e.deadline is not None and e.deadline <= now)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Task
 from coalesce.kernels.worker import DeviceThread, ModelWorker
+from coalesce.service.batching import batcher as batcher_module
 from coalesce.service.batching.batcher import Batcher
 from coalesce.service.batching.cache import ResultCache
 from coalesce.service.batching.cost import CostModel
@@ -68,10 +71,15 @@ async def test_each_caller_gets_its_own_vector_while_batches_form(rig: Rig) -> N
     assert rig.sample("coalesce_inputs_total") == len(distinct)
 
 
-async def test_lone_request_is_dispatched_without_waiting(rig: Rig) -> None:
-    await rig.embed("alone")
+async def test_lone_request_is_dispatched_without_waiting(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The batcher's clock stands still: a request held for any time at all would never be dispatched,
+    # and its queue wait reads exactly 0 only if it went out the moment it arrived.
+    now = time.monotonic()
+    monkeypatch.setattr(batcher_module, "time", SimpleNamespace(monotonic=lambda: now))
+    await asyncio.wait_for(rig.embed("alone"), 10)
     assert rig.runner.batches == [1]
-    assert rig.sample("coalesce_queue_wait_seconds_sum", priority="normal") < 0.05
+    assert rig.sample("coalesce_queue_wait_seconds_count", priority="normal") == 1
+    assert rig.sample("coalesce_queue_wait_seconds_sum", priority="normal") == 0.0
 
 
 async def test_multi_input_request_keeps_order(rig: Rig) -> None:
@@ -266,5 +274,35 @@ async def test_cached_inputs_are_answered_without_queueing_and_memory_stays_boun
             await rig.embed(f"distinct input {i}")
         assert cache.bytes <= cache.capacity and 0 < len(cache) < 200
         assert rig.metrics.registry.get_sample_value("coalesce_cache_bytes") == cache.bytes
+    finally:
+        await rig.aclose()
+
+
+async def test_a_standing_queue_refuses_at_the_door_and_answers_late_inputs_not_computing_them() -> None:
+    # One input per batch, 0.3 s each, and a 0.5 s bound on a standing queue: what waits behind the
+    # running batch can no longer have its result within the bound once that batch is over.
+    runner = FakeRunner(batch_seconds=0.3)
+    rig = Rig(runner, limits=Limits(1, 16384), max_queue_wait_s=0.5, queue_interval_s=0.0)
+    regime = rig.batcher.scheduler.regime
+    for padded in (4, 16):
+        rig.batcher.scheduler.cost.observe(padded, 0.3)  # as warm-up measures it
+    try:
+        first = asyncio.ensure_future(rig.embed("runs at once"))
+        await asyncio.sleep(0.01)
+        waiting = [asyncio.ensure_future(rig.embed(f"waits {i}")) for i in range(3)]
+        await asyncio.sleep(0.01)
+        regime.standing, regime.capacity = True, 0.0  # an overload that goes on
+        now = asyncio.get_running_loop().time()
+        with pytest.raises(Overloaded) as info:  # before tokenising: it already waited 0.4 s
+            rig.batcher.check_room(arrived=now - 0.4, first=4, total=4)
+        assert info.value.code == "overloaded" and "retry-after-ms" in info.value.headers()
+        assert len(await first) == 1
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(o, Overloaded) and o.code == "late" for o in outcomes), outcomes
+        assert runner.batches == [1], "the late inputs must never reach the runner"
+        assert rig.sample("coalesce_rejected_total", reason="late") == 3
+        assert rig.sample("coalesce_rejected_total", reason="overloaded") == 1
+        hints = sorted(o.retry_after for o in outcomes if isinstance(o, Overloaded))
+        assert hints[0] < hints[1] < hints[2]  # told to come back one after the other
     finally:
         await rig.aclose()

@@ -53,6 +53,14 @@ def test_openai_shaped_error_keeps_the_servers_message_code_and_retry_after() ->
     assert "Too much work queued" in str(err)
 
 
+def test_the_exact_retry_after_ms_wins_over_whole_seconds() -> None:
+    # The server plans retries to the millisecond (callers refused together come back one after the
+    # other); Retry-After can only say whole seconds.
+    headers = {"Retry-After": "1", "retry-after-ms": "240"}
+    assert parse_error(429, b"{}", headers).retry_after == pytest.approx(0.24)
+    assert parse_error(429, b"{}", {"Retry-After": "2"}).retry_after == 2.0
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

@@ -18,7 +18,7 @@ def test_every_input_of_the_mixed_workload_is_served() -> None:
 
 def test_a_baseline_folder_loads_as_its_own_package(tmp_path: Path) -> None:
     here = Path(scheduler.__file__).parent
-    for name in ("scheduler", "policy", "cost", "fair"):
+    for name in ("scheduler", "policy", "cost", "fair", "admit", "overload"):
         shutil.copy(here / f"{name}.py", tmp_path / f"{name}.py")
     baseline, policy, cost = sched_bench.load_batching(str(tmp_path))
     assert baseline is not scheduler and baseline.__file__ == str(tmp_path / "scheduler.py")

@@ -159,10 +159,10 @@ def test_fixed_strategy_waits_for_its_window_then_dispatches() -> None:
         SchedulerConfig("fixed", Limits(8, 16384), max_wait_s=0.005), CostModel(), lambda n, m: n * m
     )
     s.add([Entry(16, 0.0)])
-    decision, _, _ = s.next(0.001)
+    decision, *_ = s.next(0.001)
     assert isinstance(decision, Wait) and decision.until == pytest.approx(0.005)
     s.add([Entry(16, 0.002) for _ in range(7)])
-    decision, _, _ = s.next(0.003)
+    decision, *_ = s.next(0.003)
     assert isinstance(decision, Dispatch) and len(decision.batch) == 8  # full before the window ends
 
 
@@ -170,9 +170,9 @@ def test_adaptive_hold_waits_only_when_asked_and_when_it_fits_the_target() -> No
     cfg = adaptive(max_wait_s=0.004)
     s = Scheduler(cfg, CostModel(), lambda n, m: n * m)
     s.add([Entry(16, 0.0)])
-    decision, _, _ = s.next(0.0)
+    decision, *_ = s.next(0.0)
     assert isinstance(decision, Wait) and decision.until == pytest.approx(0.004)
-    decision, _, _ = s.next(0.004)
+    decision, *_ = s.next(0.004)
     assert isinstance(decision, Dispatch)
     plain = Scheduler(adaptive(), CostModel(), lambda n, m: n * m)
     plain.add([Entry(16, 0.0)])
@@ -198,7 +198,7 @@ def test_removed_entries_release_their_tokens() -> None:
     s.add(entries)
     gone = s.remove(lambda e: e.payload in (1, 3))
     assert len(gone) == 2 and s.queued_tokens == 30 and s.queued_items == 3
-    decision, _, _ = s.next(0.0)
+    decision, *_ = s.next(0.0)
     assert isinstance(decision, Dispatch)
     assert {e.payload for e in decision.batch} == {0, 2, 4}
 
@@ -209,7 +209,7 @@ def test_idle_tenants_are_forgotten_so_client_chosen_names_cannot_grow_memory() 
     s = Scheduler(adaptive(), CostModel(), lambda n, m: n * m)
     for i in range(3 * IDLE_TENANTS_KEPT):
         s.add([Entry(4, 0.0, tenant=f"t{i}")])
-        decision, _, _ = s.next(0.0)
+        decision, *_ = s.next(0.0)
         assert isinstance(decision, Dispatch)
         s.done(4, 0.001, 0.0)
     assert len(s._queue.tenants) <= IDLE_TENANTS_KEPT + 1
@@ -224,7 +224,7 @@ def test_entries_of_different_kinds_never_share_a_batch(strategy: str) -> None:
     s.add([Entry(8, 0.001 * i, payload=i, kind=k) for i, k in enumerate(kinds)])
     served: list[list[int]] = []
     while s.queued_items:
-        decision, _, _ = s.next(1.0)
+        decision, *_ = s.next(1.0)
         assert isinstance(decision, Dispatch)
         assert len({e.kind for e in decision.batch}) == 1
         served.append([e.payload for e in decision.batch])
@@ -273,19 +273,25 @@ def test_a_query_behind_a_bulk_request_is_in_the_next_batch_on_a_cpu() -> None:
     assert shared.pct(1.0) > 60.0
 
 
-def test_a_stream_of_queries_beside_short_chunks_each_runs_in_the_next_batch() -> None:
+# Machines 10% apart in fixed and per-token cost: the property must hold with a margin, not because one
+# predicted time lands exactly on a limit (with A, B a 10 × 20-token batch is predicted at exactly the
+# 50 ms bulk-batch limit, and an earlier version of this test passed or failed on the last bit of the fit).
+@pytest.mark.parametrize("a, b", [(A, B), (0.9 * A, 1.1 * B), (1.1 * A, 0.9 * B)])
+def test_a_stream_of_queries_beside_short_chunks_each_runs_in_the_next_batch(a: float, b: float) -> None:
     # The fairness bench's shape: ingestion of short chunks (16 to 32 tokens; a bulk batch is a run of
     # similar lengths, which a 14-token query is seldom in) and one-sentence queries at 5/s for 20 s.
     # Fair order puts a query next to a bulk input, sometimes just behind it (as bulk requests come and
-    # go); each query must still run in the very next batch, not after one more bulk batch.
+    # go); each query must still run in the very next batch, not after one more bulk batch. The queries
+    # come every 200 ± 50 ms: a tighter cluster may rightly wait one bulk batch, since queries moved up
+    # ahead of ingestion are bounded by --interactive-batch-ms between two of its batches.
     rng = random.Random(5)
     # A bulk request of 500 chunks every 1.6 s (about as fast as they are served), each its own flow.
     bulk = [Arrival(k * 1.6, n, flow=f"bulk{k}", inputs=100) for k in range(12) for n in range(16, 33, 4)]
-    queries = own_flows(poisson(5.0, 20.0, rng, tokens=14))
-    res = simulate(adaptive(), sorted([*bulk, *queries], key=lambda a: a.time), A, B, noise=0.0)
+    queries = [Arrival(0.1 + 0.2 * i + rng.uniform(-0.05, 0.05), 14, flow=f"q{i}") for i in range(100)]
+    res = simulate(adaptive(), sorted([*bulk, *queries], key=lambda x: x.time), a, b, noise=0.0)
     late = [q.time for q in queries if q.flow not in first_batch_after(res, q.time).flows()]
-    assert len(queries) > 60 and late == []
-    alone = simulate(adaptive(), bulk, A, B, noise=0.0)
+    assert late == []
+    alone = simulate(adaptive(), bulk, a, b, noise=0.0)
     assert res.finished["bulk11"] <= alone.finished["bulk11"] * 1.1  # ingestion barely notices
 
 
@@ -413,23 +419,3 @@ def test_a_query_behind_a_bulk_request_is_not_refused_as_unmeetable() -> None:
     assert s.admit([16], "default", 0.5, 0.0) is None  # one query, half a second
     refusal = s.admit([16] * 2048, "default", 0.5, 0.0)
     assert refusal is not None and refusal.reason == "deadline_unmeetable"
-
-
-def test_a_backlog_past_the_queue_wait_bound_refuses_newcomers_at_once() -> None:
-    """Many waiting requests (each its own flow) make a new one wait behind all of them: past
-    ``max_queue_wait_s`` it is refused 429 at once; one bulk request of the same size is no backlog
-    for a query (fair order serves the query next), and with the bound off only the token bound refuses."""
-    cost = CostModel()
-    for n in (16, 256, 1024):
-        cost.observe(n, A + B * n)
-    s = Scheduler(adaptive(max_queue_wait_s=0.5), cost, lambda n, m: n * m)
-    assert s.admit([16], "default", None, 0.0) is None
-    s.add([Entry(16, 0.0, flow=i) for i in range(400)])  # 400 requests ahead, ~1.7 s of work
-    refusal = s.admit([16], "default", None, 0.0)
-    assert refusal is not None and refusal.reason == "queue_full" and refusal.retry_after > 0.5
-    bulk = Scheduler(adaptive(max_queue_wait_s=0.5), cost, lambda n, m: n * m)
-    bulk.add([Entry(16, 0.0, flow="bulk") for _ in range(400)])
-    assert bulk.admit([16], "default", None, 0.0) is None
-    off = Scheduler(adaptive(), cost, lambda n, m: n * m)
-    off.add([Entry(16, 0.0, flow=i) for i in range(400)])
-    assert off.admit([16], "default", None, 0.0) is None

@@ -70,8 +70,8 @@ def test_error_shape_and_retry_after() -> None:
             "code": "invalid_request",
         }
     }
-    assert Overloaded("full", retry_after=0.2).headers() == {"Retry-After": "1"}
-    assert Overloaded("full", retry_after=3.2).headers() == {"Retry-After": "4"}
+    assert Overloaded("full", retry_after=0.2).headers() == {"Retry-After": "1", "retry-after-ms": "200"}
+    assert Overloaded("full", retry_after=3.2).headers() == {"Retry-After": "4", "retry-after-ms": "3200"}
     assert Unavailable("x", retry_after=2).status == 503
 
 

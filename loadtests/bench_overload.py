@@ -1,0 +1,168 @@
+"""The bench's ``overload`` section: a burst is absorbed, a sustained overload is shed at the door.
+
+One run, side by side:
+
+* **RAG ingestion burst** — ``coalesce.loadtests.burst`` (the official ``openai`` client, default
+  retries, 1,000 one-chunk calls under ``asyncio.gather``) in a process of its own, against Coalesce
+  and against Infinity, each freshly started: calls failed after the client's retries, wall time, and
+  the 429s the server sent;
+* **mixed burst at idle** — 120 concurrent one-text requests of 1 to 200 words, no retries: refusals;
+* **open loop** at 0.5×, 1×, 2× and 4× Coalesce's measured capacity (closed loop, 64 clients): the
+  admitted requests' p99 from each request's scheduled send time, the refused share, goodput, and the
+  server's CPU per refused request (its CPU beyond what the admitted ones cost at 0.5×, where none is
+  refused, over the refusals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from coalesce.loadtests import servers
+from coalesce.loadtests.bench_sections import _model_dir, _run, _spec
+from coalesce.loadtests.procs import tree_cpu_seconds
+from coalesce.loadtests.promtext import parse
+from coalesce.loadtests.report import fmt, markdown_table
+from coalesce.loadtests.results import StepResult
+from coalesce.loadtests.scenario import Mode, Scenario
+from coalesce.loadtests.workload import Mix, TextSource
+
+CHUNKS = 1000
+IDLE_BURST = 120
+LOADS = (0.5, 1.0, 2.0, 4.0)
+TARGET_MS = 500.0
+
+
+def _burst(base_url: str, seed: int) -> dict[str, object]:
+    """The ingestion burst, in its own process (its client's CPU is not ours)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "coalesce.loadtests.burst", base_url, "--chunks", str(CHUNKS), "--seed",
+         str(seed)], capture_output=True, text=True, timeout=900, check=True,
+    )
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _too_many(base_url: str) -> int:
+    """429s the server has answered on its embeddings routes (Coalesce's /metrics; 0 elsewhere)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0
+    return int(sum(v for (name, labels), v in parse(text).items()
+                   if name == "coalesce_requests_total" and dict(labels).get("status") == "429"))
+
+
+async def _idle_burst(url: str) -> dict[str, int]:
+    """120 concurrent one-text requests of mixed lengths, no retries: answers by status."""
+    rng = random.Random(7)
+    source = TextSource(rng)
+    texts = [f"{source.text(rng.randint(1, 200))} #{i}" for i in range(IDLE_BURST)]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(text: str) -> int:
+            async with s.post(url, json={"model": "all-MiniLM-L6-v2", "input": text}) as r:
+                await r.read()
+                return r.status
+
+        statuses = await asyncio.gather(*(one(t) for t in texts))
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[str(status)] = counts.get(str(status), 0) + 1
+    return counts
+
+
+def overload(args: argparse.Namespace) -> tuple[str, str]:
+    out: Path = args.out / "overload"
+    title = "Overload: a burst is absorbed, a sustained overload is shed at the door (CPU)"
+    bursts: dict[str, dict[str, object]] = {}
+    idle: dict[str, dict[str, int]] = {}
+    steps: list[tuple[float, StepResult, float]] = []
+    flags = ["--log-level", "warning", "--target-latency-ms", f"{TARGET_MS:g}"]
+    with servers.running(_spec(args, "coalesce", flags), out / "logs", args.ready_timeout) as srv:
+        bursts["coalesce"] = {**_burst(srv.base_url, seed=1), "429s": _too_many(srv.base_url)}
+        idle["coalesce"] = asyncio.run(_idle_burst(srv.url))
+        probe = Scenario(mode=Mode.CLOSED, concurrency=64, duration=10.0, warmup=2.0, mix=Mix.SHORT)
+        capacity = _run(srv.url, probe, "capacity", out).achieved_rps
+        for load in LOADS:
+            scenario = Scenario(mode=Mode.OPEN, rate=round(load * capacity, 1), duration=args.duration,
+                                warmup=2.0, mix=Mix.SHORT, timeout=60.0, max_inflight=8192)
+            before = tree_cpu_seconds(srv.proc.pid)
+            st = _run(srv.url, scenario, f"open {load:g}x", out)
+            steps.append((load, st, tree_cpu_seconds(srv.proc.pid) - before))
+    binary = Path(args.infinity_bin)
+    if binary.exists():
+        spec = servers.infinity_spec(str(binary), _model_dir(), "all-MiniLM-L6-v2")
+        with servers.running(spec, out / "logs", args.ready_timeout) as srv:
+            bursts["infinity"] = {**_burst(srv.base_url, seed=2), "429s": "-"}
+            idle["infinity"] = asyncio.run(_idle_burst(srv.url))
+    return title, _report(bursts, idle, steps, capacity)
+
+
+def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]],
+            steps: list[tuple[float, StepResult, float]], capacity: float) -> str:
+    co, inf = bursts["coalesce"], bursts.get("infinity")
+    ratio = (float(co["wall_s"]) / float(inf["wall_s"])) if inf else None  # type: ignore[arg-type]
+    burst_rows = [[name, f"{b['failed']} of {b['calls']}", fmt(float(b["wall_s"]), 2),  # type: ignore[arg-type]
+                   str(b["429s"]), _kinds(b["failed_by_kind"])] for name, b in bursts.items()]
+    idle_rows = [[name, ", ".join(f"{k}×{v}" for k, v in sorted(c.items()))] for name, c in idle.items()]
+    cpu_ok = next((cpu / st.ok for load, st, cpu in steps if load == 0.5 and st.ok), None)
+    step_rows = []
+    checks = [
+        ["burst: calls failed after the client's retries", "0", str(co["failed"]), _met(co["failed"] == 0)],
+        ["burst: wall time ÷ Infinity's", "≤ 1.1×", f"{ratio:.2f}×" if ratio else "Infinity not run",
+         _met(ratio is not None and ratio <= 1.1)],
+        ["mixed burst at idle: refusals", "0", str(sum(v for k, v in idle["coalesce"].items() if k != "200")),
+         _met(set(idle["coalesce"]) == {"200"})],
+    ]
+    for load, st, cpu in steps:
+        refused = st.requests - st.ok
+        per_refusal = ((cpu - st.ok * cpu_ok) / refused * 1e6) if cpu_ok and refused else None
+        p99 = st.latency.p99_ms if st.latency else None
+        goodput = st.ok / st.duration_s if st.duration_s else 0.0
+        step_rows.append([f"{load:g}×", fmt(st.offered_rps), fmt(goodput), f"{goodput / capacity:.2f}×",
+                          fmt(st.latency.p50_ms if st.latency else None), fmt(p99),
+                          f"{refused / st.requests:.1%}" if st.requests else "-",
+                          ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-",
+                          fmt(per_refusal) if per_refusal is not None and load > 1 else "-",
+                          fmt(st.send_lag.p99_ms if st.send_lag else None)])
+        if load >= 2:
+            checks.append([f"{load:g}×: admitted p99 (from scheduled send)", f"≤ {TARGET_MS:g} ms",
+                           fmt(p99), _met(p99 is not None and p99 <= TARGET_MS)])
+            checks.append([f"{load:g}×: goodput ÷ capacity", "≥ 0.9×", f"{goodput / capacity:.2f}×",
+                           _met(goodput >= 0.9 * capacity)])
+    return (
+        "Coalesce with its defaults (`--target-latency-ms 500`), then Infinity with its defaults "
+        "(`infinity_emb v2 --device cpu --no-bettertransformer`), each started fresh, on the packaged "
+        f"all-MiniLM-L6-v2. Capacity (closed loop, 64 clients, mix `short`): **{capacity:.1f} req/s**.\n\n"
+        + markdown_table(["figure", "target", "measured", ""], checks)
+        + "\n\nRAG ingestion burst (`python -m coalesce.loadtests.burst URL --chunks 1000`: the `openai` "
+        "client, default retries, one call per chunk under `asyncio.gather`, in a process of its own):\n\n"
+        + markdown_table(["server", "failed", "wall s", "429s sent", "failures"], burst_rows)
+        + f"\n\nMixed burst at idle ({IDLE_BURST} concurrent one-text requests of 1 to 200 words, no "
+        "retries), answers by status:\n\n"
+        + markdown_table(["server", "answers"], idle_rows)
+        + "\n\nOpen loop (Poisson, mix `short`, latency of admitted requests from their scheduled send "
+        "time; CPU per refusal: the server's CPU beyond what its admitted requests cost at 0.5×, over its "
+        "refusals):\n\n"
+        + markdown_table(["load", "offered/s", "goodput/s", "÷ capacity", "p50 ms", "p99 ms", "refused",
+                          "answers", "CPU µs per refusal", "generator lag p99 ms"], step_rows)
+        + "\n"
+    )
+
+
+def _kinds(counts: object) -> str:
+    return ", ".join(f"{k}×{v}" for k, v in counts.items()) or "-" if isinstance(counts, dict) else "-"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**missed**"

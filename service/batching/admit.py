@@ -1,0 +1,278 @@
+"""Admission of one model's requests: the queue bounds, the wait the queue's regime admits, deadlines.
+
+A request is refused at once — before it queues, and where the caller can, before it is tokenised
+(:meth:`Admitter.precheck` on estimated counts) — when:
+
+* its tokens would pass the model's queue bound, or its named tenant's (``queue_full``,
+  ``tenant_queue_full``; ``too_large`` if it could never fit);
+* its first input would wait longer than the queue's regime admits (:mod:`.overload`): while the
+  queue keeps emptying, up to ``burst_wait_s`` in the queue (``queue_full`` beyond), so a burst that
+  drains in seconds is served whole; once the queue stands, only if its first result is predicted
+  within ``max_queue_wait_s`` of its head arriving, the time it spent before admission included
+  (``overloaded``), so admitted requests keep their latency under sustained overload while the excess
+  is refused for the price of a check;
+* it cannot finish by its deadline (``deadline_unmeetable``).
+
+The predicted wait is fair-queue aware (:meth:`.fair.FairQueue.tokens_ahead`): a flood of one tenant
+or of ``low`` requests does not count against a ``high`` query or another tenant's, so a refused flood
+does not refuse them. Refusals carry a Retry-After from :class:`.overload.RetryPacer`, so callers that
+honour it come back one after the other when there is room.
+
+Pure: no clock, no asyncio; the scheduler owns it and passes its ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .cost import CostModel
+from .fair import DEFAULT_TENANT, Entry, FairQueue
+from .overload import Regime, RetryPacer
+from .policy import PaddedCost
+
+Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why an admission was refused: ``reason`` is a metric label; ``retry_after`` is in seconds."""
+
+    reason: Reason
+    message: str
+    retry_after: float
+
+
+class Admitter:
+    """The admission decisions of one model's scheduler. ``busy_s(now)``: seconds the batches already
+    handed to the model still need."""
+
+    def __init__(self, config: AdmissionConfig, queue: FairQueue, cost: CostModel, padded_cost: PaddedCost,
+                 busy_s: Callable[[float], float]) -> None:
+        self.config = config
+        self._queue = queue
+        self._cost = cost
+        self._padded_cost = padded_cost
+        self._busy_s = busy_s
+        self.regime = Regime(config.queue_target_s, config.queue_interval_s)
+        self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
+        self._pacer = RetryPacer(longest_s=max(config.burst_wait_s, 1.0))
+
+    @property
+    def on(self) -> bool:
+        """Whether the regime's wait bounds apply (``max_queue_wait_s`` > 0)."""
+        return self.config.max_queue_wait_s > 0
+
+    def check_room(self, tenant: str, tokens: int, now: float) -> Refusal | None:
+        """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not.
+
+        The model-wide bound applies to everyone; the tenant bound to named tenants (the default tenant
+        has only the model's). ``check_room(tenant, 1, now)`` before tokenising refuses a flood early.
+        """
+        cfg = self.config
+        queued = self._queue.tokens
+        if queued + tokens > cfg.max_queued_tokens:
+            return Refusal(
+                "queue_full",
+                f"{queued} tokens are waiting (bound {cfg.max_queued_tokens}); retry later.",
+                self.drain_s(now),
+            )
+        if tenant != DEFAULT_TENANT:
+            held = self._queue.tenant_tokens(tenant)
+            if held + tokens > cfg.tenant_max_queued_tokens:
+                return Refusal(
+                    "tenant_queue_full",
+                    f"Tenant '{tenant}' has {held} tokens waiting (bound "
+                    f"{cfg.tenant_max_queued_tokens}); retry later.",
+                    self.drain_s(now),
+                )
+        return None
+
+    def admit(
+        self,
+        tokens: Iterable[int],
+        tenant: str,
+        deadline: float | None,
+        now: float,
+        *,
+        weight: float = 1.0,
+        priority: int = 1,
+        arrived: float | None = None,
+    ) -> Refusal | None:
+        """None if a request of these inputs may queue now; else why not. ``arrived``: when its head
+        arrived (``now`` if unknown), so the wait before admission counts."""
+        lengths = list(tokens)
+        total = sum(lengths)
+        cfg = self.config
+        if total > cfg.max_queued_tokens:
+            return Refusal(
+                "too_large",
+                f"The request holds {total} tokens, more than this model ever queues "
+                f"({cfg.max_queued_tokens}); split it.",
+                0.0,
+            )
+        self.regime.asked(total, now)
+        self.regime.capacity = self.capacity()
+        refusal = self.check_room(tenant, total, now)
+        if refusal is None and self.on:
+            refusal = self._check_wait(lengths[0], total, len(lengths), tenant, weight, priority, now,
+                                       arrived)
+        if refusal is not None or deadline is None:
+            return refusal
+        ahead = self._queue.tokens_ahead(tenant, weight, priority, total)
+        own = self._cost.predict(self._padded_cost(len(lengths), max(lengths)))
+        finish = now + self.wait_s(ahead, now) + own
+        if finish > deadline:
+            return Refusal(
+                "deadline_unmeetable",
+                f"The queue ahead needs about {finish - now:.3f} s, past this request's deadline.",
+                self.drain_s(now),
+            )
+        return None
+
+    def precheck(
+        self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
+        arrived: float, now: float,
+    ) -> Refusal | None:
+        """Before tokenising: refuse a request of about ``total`` tokens in ``inputs`` inputs (its
+        first about ``first``) that the queue bounds or the regime would refuse. The counts are
+        estimates, so callers err low; :meth:`admit` decides again on the real ones."""
+        refusal = self.check_room(tenant, 1, now)
+        if refusal is None and self.on:
+            refusal = self._check_wait(first, total, inputs, tenant, weight, priority, now, arrived)
+        if refusal is not None:
+            self.regime.asked(total, now)  # it never reaches admit(), which counts the others
+        return refusal
+
+    def _check_wait(
+        self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
+        now: float, arrived: float | None,
+    ) -> Refusal | None:
+        """Refuse a request whose first input would start later than the regime admits, counting what
+        it waited before admission."""
+        cfg = self.config
+        ahead = self._queue.tokens_ahead(tenant, weight, priority, first)
+        if ahead == 0:
+            return None  # nothing waits before it: a running batch is no backlog, however slow
+        elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
+        wait = self.wait_s(ahead, now)
+        verdict = judge_wait(self.regime.observe(now), elapsed, wait, self.batch_s(first), cfg)
+        if verdict is None:
+            return None
+        reason, allowed, what = verdict
+        coef = self._cost.coef
+        cost = coef.per_token_s * total + coef.overhead_s * inputs / cfg.max_batch_size
+        retry = self._pacer.after(now, self.room_in(wait, allowed), cost)
+        return Refusal(reason, f"{what}; retry in {retry:.3f} s.", retry)
+
+    def room_in(self, wait: float, allowed: float) -> float:
+        """Seconds until a queue that makes a newcomer wait ``wait`` has drained to half of the
+        ``allowed`` wait. A standing queue is cut to what it admits (its late inputs are dropped as
+        their turn comes), so it is never further away than that."""
+        allowed = max(allowed, 0.0)
+        if self.regime.standing:
+            wait = min(wait, self.config.max_queue_wait_s)
+        return wait - allowed / 2
+
+    def late(self, waiting: Sequence[Entry], start: float, now: float) -> list[Entry]:
+        """Of ``waiting`` (in fair order), the first inputs of requests (``lead``) that the current
+        regime would not run if they were admitted only now: under a standing queue, those whose first
+        result cannot come within ``max_queue_wait_s`` of their arrival if their batch starts at
+        ``start`` (the next anchor's batch is sized to what it has left, so it is judged by its forward
+        alone; the others by the batch they would ride in); otherwise those that waited past
+        ``burst_wait_s``. They are answered (429 ``late``), not computed late."""
+        if not self.on or not waiting:
+            return []
+        cfg = self.config
+        if not self.regime.observe(now):
+            return [e for e in waiting if e.lead and start - e.arrival > cfg.burst_wait_s]
+        anchor = waiting[0]
+        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
+        limit = cfg.max_queue_wait_s - self.batch_s(0)
+        late = [e for e in waiting[1:] if e.lead and start - e.arrival > limit]
+        if anchor.lead and start - anchor.arrival > cfg.max_queue_wait_s - alone:
+            late.insert(0, anchor)
+        return late
+
+    def late_retry(self, now: float, dropped: list[Entry]) -> list[float]:
+        """Retry-After for each first input dropped as ``late``, one after the other."""
+        coef, room = self._cost.coef, self.room_in(self.drain_s(now), self.config.max_queue_wait_s)
+        each = coef.overhead_s / self.config.max_batch_size
+        return [self._pacer.after(now, room, coef.per_token_s * e.n_tokens + each) for e in dropped]
+
+    def capacity(self) -> float:
+        """Tokens per second the model serves in batches as full as the limits allow, of inputs like
+        those waiting (of 16 tokens when none waits)."""
+        queue = self._queue
+        longest = max(queue.tokens // queue.items if queue.items else 16, 1)
+        n = self.config.max_batch_size
+        return n * longest / max(self._cost.predict(self._padded_cost(n, longest)), 1e-9)
+
+    def batch_s(self, first: int) -> float:
+        """Predicted seconds of the batch a new input of ``first`` tokens would ride in: under load the
+        queue runs in batches as full as the limits allow, of inputs like those waiting — but never
+        more than half the wait bound (or its own forward alone, if longer): adaptive batching keeps a
+        batch within what its oldest input has left of the target, so on a machine where a full batch
+        takes longer than the bound, batches are smaller, not late."""
+        queue = self._queue
+        n = min(self.config.max_batch_size, queue.items + 1)
+        longest = max(first, queue.tokens // queue.items if queue.items else 0, 1)
+        full = self._cost.predict(self._padded_cost(n, longest))
+        alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
+        return min(full, max(alone, self.config.max_queue_wait_s / 2))
+
+    def wait_s(self, ahead_tokens: int, now: float) -> float:
+        """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) have
+        run, after the batches already running."""
+        coef = self._cost.coef
+        queue = self._queue
+        inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else 0
+        batches = math.ceil(inputs / self.config.max_batch_size)
+        return self._busy_s(now) + batches * coef.overhead_s + ahead_tokens * coef.per_token_s
+
+    def drain_s(self, now: float) -> float:
+        """Predicted seconds until everything already admitted has run."""
+        coef = self._cost.coef
+        queue = self._queue
+        batches = math.ceil(queue.items / self.config.max_batch_size)
+        return self._busy_s(now) + batches * coef.overhead_s + queue.tokens * coef.per_token_s
+
+
+def judge_wait(
+    standing: bool, elapsed: float, wait: float, own: float, cfg: AdmissionConfig
+) -> tuple[Reason, float, str] | None:
+    """None if a request that has waited ``elapsed`` s since its head arrived, whose first input would
+    wait ``wait`` s more and then run ``own`` s, is admitted by the regime; else (reason, the wait its
+    regime admits, why). Under a standing queue every second counts against ``max_queue_wait_s``; into
+    a queue that keeps emptying, the queue's own wait is what ``burst_wait_s`` bounds (the time a
+    request spent before admission counts against its deadline, which admission checks too). The one
+    rule, for the engine's admission and a gateway's check on the engine's last report alike."""
+    if standing:
+        allowed, reason = cfg.max_queue_wait_s - own, "overloaded"
+        what = (f"The queue stands: this request would have its first result about "
+                f"{elapsed + wait + own:.3f} s after it arrived (bound {cfg.max_queue_wait_s:.3f} s)")
+        if elapsed + wait <= allowed:
+            return None
+    else:
+        # A burst: the queue is what is bounded (the time already spent counts against the deadline).
+        allowed, reason = cfg.burst_wait_s, "queue_full"
+        what = f"The queue ahead needs about {wait:.3f} s before this request would start " \
+               f"(bound {cfg.burst_wait_s:.3f} s)"
+        if wait <= allowed:
+            return None
+    return reason, allowed, what  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """The admission knobs of :class:`.scheduler.SchedulerConfig` (which documents each)."""
+
+    max_batch_size: int
+    max_queued_tokens: int
+    tenant_max_queued_tokens: int
+    max_queue_wait_s: float
+    burst_wait_s: float
+    queue_target_s: float
+    queue_interval_s: float

@@ -1,0 +1,121 @@
+"""Telling a burst from overload: the queue's regime, and when a refused caller should come back.
+
+**The regime** follows CoDel (RFC 8289) and its use for server queues in "Fail at Scale" (Facebook,
+2015). A queue that keeps emptying is *good*: whatever waits in it is a burst that drains. A queue
+*stands* once its oldest waiting input has been older than ``target_s`` for a whole ``interval_s``
+while requests keep arriving at least as fast as the model serves them: it does not drain, and
+admitting more only makes everyone later. It stands until nothing waits (a standing queue whose late
+inputs were just dropped is young, not drained) or until arrivals fall below the model's rate (what
+is left is a burst draining); a queue that grows old again soon after it stood stands at once, for an
+overload that goes on is not a new burst. The signal is the age of the oldest input still waiting,
+counted from its request's head arriving (the wait before admission included), not the minimum
+sojourn of dispatched inputs: fair queuing sends a fresh query ahead of a backlog, so the minimum
+sojourn stays low under a flood that never drains. The arrival rate is what tells a burst from
+overload once the burst has arrived: both look alike while they arrive. The admission rules for each
+regime are in :mod:`.admit`.
+
+**Retry-After that works.** A refused caller is told to come back when the queue will have drained
+to half of what the regime admits, and callers refused together are told to come back one after the
+other, each after the predicted compute of those told before it: a client that honours the hint
+(the ``openai`` client does, to the millisecond with ``retry-after-ms``) finds room on its retry, and
+a crowd of them returns at the rate the model serves, not as a second burst at the same instant.
+
+Pure: no clock, no asyncio; the scheduler drives it with its own ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class _Waiting(Protocol):
+    arrival: float
+    taken: bool
+
+
+class Regime:
+    """Good (the queue keeps emptying) or standing (it has not for a whole interval)."""
+
+    MEMORY = 8  # intervals after standing ends during which a queue that grows old again stands at once
+
+    def __init__(self, target_s: float, interval_s: float) -> None:
+        self.target_s = target_s
+        self.interval_s = interval_s
+        self.standing = False
+        self._above_since: float | None = None  # when the oldest waiting input was first seen too old
+        self._ended = -math.inf  # when it last stopped standing
+        # Tokens asked for (admitted or refused) in the last target_s: a queue stands only while
+        # arrivals go on at least as fast as the model serves (``capacity``, tokens per second).
+        self._asked: deque[tuple[float, int]] = deque()
+        self._asked_tokens = 0
+        self.capacity = math.inf
+        self._waiting: deque[_Waiting] = deque()  # queued inputs, in the order they were admitted
+
+    def add(self, entries: Iterable[_Waiting]) -> None:
+        self._waiting.extend(entries)
+
+    def asked(self, tokens: int, now: float) -> None:
+        """A request of ``tokens`` tokens arrived (whether admitted or refused)."""
+        self._asked.append((now, tokens))
+        self._asked_tokens += tokens
+
+    def arrivals(self, now: float) -> float:
+        """Tokens per second asked for over the last ``target_s``."""
+        asked, since = self._asked, now - self.target_s
+        while asked and asked[0][0] < since:
+            self._asked_tokens -= asked.popleft()[1]
+        return self._asked_tokens / self.target_s if self.target_s > 0 else 0.0
+
+    def head_age(self, now: float) -> float | None:
+        """Age of the oldest input still waiting (None: nothing waits). Inputs are admitted nearly in
+        head-arrival order (tokenising reorders a few), so the first one not yet taken is the oldest
+        within a few milliseconds."""
+        waiting = self._waiting
+        while waiting and waiting[0].taken:
+            waiting.popleft()
+        return now - waiting[0].arrival if waiting else None
+
+    def observe(self, now: float) -> bool:
+        """Update the regime from the queue as it is at ``now`` (after admissions and dispatches);
+        returns whether it is standing."""
+        age = self.head_age(now)
+        if age is None:  # nothing waits: whatever stood has drained
+            self._above_since = None
+            if self.standing:
+                self.standing = False
+                self._ended = now
+        elif age < self.target_s:
+            # Young, but not empty: it keeps emptying, unless it stands and is young only because its
+            # late inputs were just dropped (then it stays standing until it empties).
+            self._above_since = None
+        elif self._above_since is None:
+            self._above_since = now
+            # It stood a moment ago (it emptied only by refusing and dropping): the overload goes on,
+            # so stand again at once rather than admit another interval's burst (RFC 8289 resumes its
+            # dropping state the same way).
+            self.standing = self.standing or now - self._ended < self.MEMORY * self.interval_s
+        elif now - self._above_since >= self.interval_s:
+            self.standing = True
+        if self.standing and self.arrivals(now) < self.capacity:
+            # Arrivals have fallen below what the model serves: what stands is a burst draining.
+            self.standing = False
+            self._ended = now
+        return self.standing
+
+
+class RetryPacer:
+    """Retry-After for refused callers, so that those who honour it are admitted on their retry."""
+
+    def __init__(self, longest_s: float) -> None:
+        self.longest_s = longest_s  # never tell a caller to wait longer than this
+        self._horizon = 0.0  # when the last caller told to come back was told to
+
+    def after(self, now: float, room_in_s: float, cost_s: float) -> float:
+        """Seconds a caller refused at ``now`` should wait: until ``room_in_s`` from now (when the
+        queue will have room), and after everyone told before it, whose requests cost ``cost_s`` each."""
+        at = max(now + max(room_in_s, 0.0), self._horizon)
+        self._horizon = min(at + cost_s, now + self.longest_s)
+        return self._horizon - now
