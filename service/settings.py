@@ -268,7 +268,8 @@ class Settings:
         "How long the queue must stand before admission tightens (CoDel's interval). Longer absorbs "
         "bursts that arrive over a longer time; shorter bounds how much of a sustained overload is "
         "admitted as a burst before its requests are refused (they then wait up to about this long "
-        "plus the target).",
+        "plus the target). Within eight intervals of standing, a queue that grows old again stands at "
+        "once (the overload goes on).",
         default=500.0,
     )
     request_timeout_ms: float = _knob(

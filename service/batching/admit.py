@@ -59,6 +59,7 @@ class Admitter:
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer(longest_s=max(config.burst_wait_s, 1.0))
+        self._padding = 1.0  # padded ÷ real tokens of recent batches
 
     @property
     def on(self) -> bool:
@@ -210,6 +211,11 @@ class Admitter:
         n = self.config.max_batch_size
         return n * longest / max(self._cost.predict(self._padded_cost(n, longest)), 1e-9)
 
+    @property
+    def batch_limit_s(self) -> float:
+        """The longest batch a standing queue runs: half the wait bound (the other half is the queue)."""
+        return self.config.max_queue_wait_s / 2
+
     def batch_s(self, first: int) -> float:
         """Predicted seconds of the batch a new input of ``first`` tokens would ride in: under load the
         queue runs in batches as full as the limits allow, of inputs like those waiting — but never
@@ -221,23 +227,34 @@ class Admitter:
         longest = max(first, queue.tokens // queue.items if queue.items else 0, 1)
         full = self._cost.predict(self._padded_cost(n, longest))
         alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
-        return min(full, max(alone, self.config.max_queue_wait_s / 2))
+        return min(full, max(alone, self.batch_limit_s))
+
+    def dispatched(self, tokens: int, padded: int) -> None:
+        """A batch of ``tokens`` real tokens ran as ``padded`` (the cost model's unit): predicted waits
+        count the queue's tokens as the recent batches padded them."""
+        if tokens > 0:
+            self._padding += 0.1 * (padded / tokens - self._padding)
 
     def wait_s(self, ahead_tokens: int, now: float) -> float:
         """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) have
         run, after the batches already running."""
-        coef = self._cost.coef
         queue = self._queue
         inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else 0
-        batches = math.ceil(inputs / self.config.max_batch_size)
-        return self._busy_s(now) + batches * coef.overhead_s + ahead_tokens * coef.per_token_s
+        return self._busy_s(now) + self._run_s(inputs, ahead_tokens)
 
     def drain_s(self, now: float) -> float:
         """Predicted seconds until everything already admitted has run."""
-        coef = self._cost.coef
-        queue = self._queue
-        batches = math.ceil(queue.items / self.config.max_batch_size)
-        return self._busy_s(now) + batches * coef.overhead_s + queue.tokens * coef.per_token_s
+        return self._busy_s(now) + self._run_s(self._queue.items, self._queue.tokens)
+
+    def _run_s(self, inputs: float, tokens: float) -> float:
+        """Seconds to run ``inputs`` waiting inputs of ``tokens`` tokens: padded as recent batches
+        were, in batches as large as the limits allow — under a standing queue, as large as fit
+        :attr:`batch_limit_s`."""
+        coef, size = self._cost.coef, self.config.max_batch_size
+        if self.regime.standing and inputs:
+            per_input = coef.per_token_s * self._padding * tokens / inputs
+            size = max(1, min(size, int((self.batch_limit_s - coef.overhead_s) / max(per_input, 1e-9))))
+        return math.ceil(inputs / size) * coef.overhead_s + tokens * self._padding * coef.per_token_s
 
 
 def judge_wait(

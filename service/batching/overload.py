@@ -30,6 +30,11 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
+# Arrivals are judged over this long: requests reach admission in clumps (one event-loop turn's
+# tokenising at a time), so a shorter window sees gaps in a load that goes on; a burst that has ended
+# leaves it within this long.
+ARRIVAL_WINDOW_S = 0.25
+
 
 class _Waiting(Protocol):
     arrival: float
@@ -47,7 +52,7 @@ class Regime:
         self.standing = False
         self._above_since: float | None = None  # when the oldest waiting input was first seen too old
         self._ended = -math.inf  # when it last stopped standing
-        # Tokens asked for (admitted or refused) in the last target_s: a queue stands only while
+        # Tokens asked for (admitted or refused) in the last ARRIVAL_WINDOW_S: a queue stands only while
         # arrivals go on at least as fast as the model serves (``capacity``, tokens per second).
         self._asked: deque[tuple[float, int]] = deque()
         self._asked_tokens = 0
@@ -63,11 +68,11 @@ class Regime:
         self._asked_tokens += tokens
 
     def arrivals(self, now: float) -> float:
-        """Tokens per second asked for over the last ``target_s``."""
-        asked, since = self._asked, now - self.target_s
+        """Tokens per second asked for over the last :data:`ARRIVAL_WINDOW_S`."""
+        asked, since = self._asked, now - ARRIVAL_WINDOW_S
         while asked and asked[0][0] < since:
             self._asked_tokens -= asked.popleft()[1]
-        return self._asked_tokens / self.target_s if self.target_s > 0 else 0.0
+        return self._asked_tokens / ARRIVAL_WINDOW_S
 
     def head_age(self, now: float) -> float | None:
         """Age of the oldest input still waiting (None: nothing waits). Inputs are admitted nearly in

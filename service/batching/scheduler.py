@@ -267,6 +267,11 @@ class Scheduler:
             # request that lost the target long ago must not make a fresh query's batch a long one.
             budget = cfg.target_latency_s - (start - window[0].arrival)
             limit = budget
+            if self.admission.on and self.regime.standing:
+                # Admission keeps a standing queue to what has its first result within the bound with a
+                # batch of half of it (Admitter.batch_s): batches that long are the throughput the
+                # overload needs, and no shorter, whatever an anchor has left.
+                limit = max(limit, self.admission.batch_limit_s)
             if cfg.interactive_batch_s > 0:
                 alone = self.cost.predict(self.padded_cost(1, window[0].n_tokens))
                 if window[0].bulk:  # ingestion: a short batch, so a query arriving meanwhile waits little
@@ -296,6 +301,7 @@ class Scheduler:
         elif batch[0].bulk:
             self._promoted_s = 0.0
         self._queue.take(batch, charge=True)
+        self.admission.dispatched(sum(e.n_tokens for e in batch), padded)
         self.inflight += 1
         self.busy_until = start + predicted
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)
