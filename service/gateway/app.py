@@ -3,7 +3,8 @@
 Middlewares (outermost first): ``observe`` binds the request id, counts in-flight requests and records
 metrics and the per-request log line; ``errors`` turns every failure into the error shape of the dialect
 its route speaks (``routing``: OpenAI's, TEI's or Cohere's), rendered by ``dialects.render``, the one
-mapping in the service; ``authenticate`` checks API keys; ``read_body`` (``guard``) reads the body
+mapping in the service; ``authenticate`` checks API keys; ``shed`` refuses a queued route's request from
+its head alone while the queue stands; ``read_body`` (``guard``) reads the body
 within its deadline and size limit. Connection-level limits (head deadline, connection cap, 431) live
 in ``guard.GuardedSite``, which ``server.serve`` listens with. Models load in the background (see
 ``models.load_models``) so the listener answers ``/health`` at once.
@@ -52,7 +53,8 @@ from .guard import body_too_large, read_body
 from .llm_pairs import check_instructions
 from .models import MODELS, ModelRegistry
 from .responses import json_response
-from .routing import add_route, dialect_of
+from .routing import ROUTES, add_route, dialect_of
+from .shed import QUEUED_PATHS, shed
 from .state import LIFECYCLE, METRICS, SETTINGS, Handler, Lifecycle, Phase
 
 log = get_logger("coalesce.gateway")
@@ -164,7 +166,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     gateways in front of the engine process. ``runner_factory`` replaces model loading (tests)."""
     metrics = Metrics()
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate, read_body]
+        client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate, shed, read_body]
     )
     registry = ModelRegistry()
     life = Lifecycle(metrics)
@@ -201,6 +203,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     tei.add_routes(app)  # /embed, /embed_all, /similarity, / (TEI's errors)
     tei_meta.add_routes(app)  # /info, /tokenize, /decode (TEI's errors)
     docs.add_routes(app)  # /docs and its assets
+    app[QUEUED_PATHS] = frozenset(d.path for d in app[ROUTES] if d.doc.queued and d.method == "POST")
     openapi.publish(app)  # /openapi.json, built from every route above: keep it last
     return app
 

@@ -156,6 +156,11 @@ class ServedModel:
         low; the model decides again on the real counts)."""
         raise NotImplementedError
 
+    @property
+    def standing(self) -> bool:
+        """Whether the model's queue stands (:mod:`..batching.overload`), as last known here."""
+        return False
+
     def estimate(self, texts: Sequence[str], prompt: str | None = None) -> tuple[int, int]:
         """(tokens of the first text, tokens of all) as :meth:`check_room` takes them, from their
         lengths in characters: an estimate on the low side (a word piece is rarely under 4 characters),
@@ -220,6 +225,10 @@ class LocalModel(ServedModel):
                          calibration=calibration)
         self._batcher = batcher
 
+    @property
+    def standing(self) -> bool:
+        return self._batcher.scheduler.standing
+
     def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
         self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority, arrived=adm.arrived,
                                  first=first, total=total, inputs=inputs)
@@ -254,6 +263,11 @@ class RemoteModel(ServedModel):
         self._admission = admission
         self._gateways = gateways
         self._pacer = RetryPacer(longest_s=max(admission.burst_wait_s, 1.0))
+
+    @property
+    def standing(self) -> bool:
+        report = self._client.report(self._index)
+        return report is not None and report[0].standing
 
     def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
         self._client.check_open()

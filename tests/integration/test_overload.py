@@ -18,6 +18,7 @@ from coalesce.loadtests.workload import TextSource
 from coalesce.service.batching.overload import Regime
 
 from ..conftest import Replica, metric, metrics_text, wait_all_gateways, wait_ready
+from . import rawhttp
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -92,6 +93,18 @@ async def overload(url: str, clients: int, seconds: float, headers: dict[str, st
     return answers
 
 
+async def head_only(port: int) -> rawhttp.Answer:
+    """The answer to a request head announcing a 1 MB body that never comes."""
+    reader, writer = await rawhttp.connect(port)
+    try:
+        writer.write(rawhttp.request("POST", "/v1/embeddings", headers={
+            "Content-Type": "application/json", "Content-Length": str(1 << 20)}))
+        await writer.drain()
+        return await rawhttp.read_answer(reader, timeout=60.0, then_eof=False)
+    finally:
+        writer.close()
+
+
 async def standing(url: str) -> float:
     return metric(await metrics_text(url), "coalesce_queue_standing", MODEL)
 
@@ -113,11 +126,18 @@ async def test_sustained_overload_is_refused_at_once_and_the_regime_recovers(
     # excess is refused.
     load = asyncio.ensure_future(overload(r.url, await callers(r.url), 8.0))
     seen_standing = False
+    unread: list[rawhttp.Answer] = []
     while not load.done():
         seen_standing = seen_standing or await standing(r.url) == 1
+        if seen_standing and not unread:
+            unread.append(await head_only(r.port))
         await asyncio.sleep(0.2)
     answers = load.result()
     assert seen_standing
+    # A bulk upload's head while the queue stands is refused from the head alone: the caller need not
+    # send its megabyte (had the server waited for it, this head would have been answered 408).
+    assert [a.status for a in unread] == [429]
+    assert unread[0].json()["error"]["code"] == "overloaded" and int(unread[0].headers["retry-after"]) >= 1
     refused = [(h, body) for status, h, body in answers if status == 429]
     assert {status for status, _, _ in answers} <= {200, 429}  # every request answered, none failed
     assert refused and any(body["error"]["code"] == "overloaded" for _, body in refused)
