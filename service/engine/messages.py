@@ -72,6 +72,7 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
     deadline: float  # time.monotonic(), the same clock in every process of the host
     tokens: bool = False
     arrived: float = 0.0  # when its head reached the gateway (time.monotonic()); 0: unknown
+    trace: bytes = b""  # tracing on: the request's sampled span (``tracing.pack``), which batches link
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -88,6 +89,7 @@ class Done(msgspec.Struct, frozen=True, array_like=True):
     dim: int
     queue_s: float
     forward_s: float
+    batches: tuple[bytes, ...] = ()  # tracing on: the spans of the batches it rode in
 
 
 class Failure(msgspec.Struct, frozen=True, array_like=True):
