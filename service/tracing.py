@@ -126,7 +126,8 @@ def current() -> RequestTrace | None:
 class Tracer:
     """The process's OpenTelemetry tracer provider, exporter and sampler. Built by :func:`start`."""
 
-    def __init__(self, endpoint: str, service_name: str, process: str) -> None:
+    def __init__(self, endpoint: str, service_name: str, process: str, exporter: Any = None) -> None:
+        """``exporter`` replaces the OTLP/HTTP one (tests)."""
         from opentelemetry import propagate
         from opentelemetry.context import Context
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -139,7 +140,7 @@ class Tracer:
         resource = Resource.create({"service.name": service_name, "coalesce.process": process})
         self.provider = TracerProvider(resource=resource, sampler=_linked_or(_env_sampler()))
         self.url = traces_url(endpoint)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.url)))
+        self.provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=self.url)))
         self.otel = self.provider.get_tracer("coalesce.service")
         self._extract = propagate.extract
         self._Link, self._SpanContext, self._TraceFlags = Link, SpanContext, TraceFlags
