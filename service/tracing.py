@@ -232,6 +232,14 @@ def start(settings: Settings, process: str) -> Tracer | None:
     global active
     if not settings.otlp_endpoint:
         return None
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"--otlp-endpoint needs OpenTelemetry's SDK and OTLP/HTTP exporter ({exc}): install "
+            "coalesce[tracing]"
+        ) from exc
     active = Tracer(settings.otlp_endpoint, settings.otlp_service_name, process)
     return active
 
