@@ -93,9 +93,12 @@ class RequestTrace:
 
     @contextmanager
     def child(self, name: str, **attributes: Any) -> Iterator[None]:
-        """A child span around the block (tokenisation)."""
-        with self._tracer.otel.start_as_current_span(name, attributes=attributes):
+        """A child span around the block (tokenisation); not made current (nothing nests in it)."""
+        span = self._tracer.otel.start_span(name, attributes=attributes)
+        try:
             yield
+        finally:
+            span.end()
 
     def inferred(self, model: str, seqs: Sequence[Sequence[int]], submitted: float, batch_start: float,
                  batches: Sequence[bytes]) -> None:
@@ -103,9 +106,10 @@ class RequestTrace:
         ``time.monotonic()``), its counts and its batches on the request span."""
         if not self.span.is_recording():
             return
-        start = _epoch_ns(submitted)
-        queue = self._tracer.otel.start_span("coalesce.queue", start_time=start)
-        queue.end(end_time=max(start, _epoch_ns(batch_start)))
+        if batches:  # computed, not all answered from the cache
+            start = _epoch_ns(submitted)
+            queue = self._tracer.otel.start_span("coalesce.queue", start_time=start)
+            queue.end(end_time=max(start, _epoch_ns(batch_start)))
         self.inputs += len(seqs)
         self.tokens += sum(len(s) for s in seqs)
         self.batches += [batch_id(b) for b in batches]

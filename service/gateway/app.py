@@ -96,15 +96,18 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         structlog.contextvars.unbind_contextvars("request_id")
 
 
+_UNTRACED = frozenset({"/health", "/ready", "/metrics"})
+
+
 @web.middleware
 async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With tracing on (outermost): the request's server span, in the caller's trace when it sent
     ``traceparent``; its trace id is on every log line of the request, ``observe``'s included."""
     tracer = tracing.active
-    if tracer is None:  # tracing stopped (the process is exiting): nothing to add to
-        return await handler(request)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
+    if tracer is None or route in _UNTRACED:  # probes and scrapes would bury the requests' traces
+        return await handler(request)
     with tracer.request(request.method, route, request.path, request.headers) as trace:
         ctx = trace.span.get_span_context()
         structlog.contextvars.bind_contextvars(trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}")

@@ -45,6 +45,7 @@ class Span:
     links: list[tuple[str, str, dict[str, Any]]]  # (trace id, span id, attributes)
     resource: dict[str, Any]
     status_code: int
+    trace_state: str
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Receiver:
                         s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
                         s.start_time_unix_nano, s.end_time_unix_nano, attributes(s.attributes),
                         [(ln.trace_id.hex(), ln.span_id.hex(), attributes(ln.attributes)) for ln in s.links],
-                        resource, s.status.code,
+                        resource, s.status.code, s.trace_state,
                     ))
         with self._lock:
             self.spans += got

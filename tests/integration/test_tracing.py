@@ -66,6 +66,10 @@ async def test_request_spans_continue_the_callers_trace_and_batches_link_them_al
         ))
         await _post(s, r.url, 100, {})  # no caller trace: a trace of its own
         await _post(s, r.url, 101, {"traceparent": f"00-{unsampled[0]}-{unsampled[1]}-00"})
+        probe = _caller()
+        for path in ("/health", "/ready", "/metrics"):  # probes and scrapes are not traced
+            async with s.get(r.url + path, headers={"traceparent": f"00-{probe[0]}-{probe[1]}-01"}) as resp:
+                assert resp.status == 200
     await asyncio.sleep(0.5)
     assert receiver.spans == [], "spans were exported before the drain (the delay did not hold)"
 
@@ -77,6 +81,7 @@ async def test_request_spans_continue_the_callers_trace_and_batches_link_them_al
     by_trace = {s.trace_id: s for s in servers}
     assert len(servers) == len(callers) + 1  # the unsampled caller's request exports nothing
     assert unsampled[0] not in by_trace
+    assert probe[0] not in {s.trace_id for s in receiver.spans}
     own = [s for s in servers if s.parent_span_id == ""]
     assert len(own) == 1 and own[0].trace_id not in {tid for tid, _ in callers}
 
@@ -97,6 +102,7 @@ async def test_request_spans_continue_the_callers_trace_and_batches_link_them_al
     for tid, sid in callers:
         span = by_trace[tid]
         assert span.parent_span_id == sid  # under the caller's span, in the caller's trace
+        assert span.trace_state == "vendor=x"
         assert span.attributes["http.response.status_code"] == 200
         assert span.attributes["http.route"] == "/v1/embeddings"
         assert span.attributes["coalesce.model"] == MODEL
