@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -160,10 +160,14 @@ class Batcher:
         metrics: Metrics,
         cache: ResultCache | None = None,
         device: str = "",
+        shape: Callable[[int, int], tuple[int, int]] | None = None,
     ) -> None:
         self._engine = engine
         self.model = model
-        self.device = device  # where the model runs, for the batch spans
+        # For the batch spans: where the model runs, and the (rows, cols) a batch of n sequences of at
+        # most m tokens is padded to (a CUDA graph cell); n × m for runners that do not say.
+        self.device = device
+        self._shape = shape
         self.scheduler = scheduler
         self._metrics = metrics
         self._series = metrics.model_series(model)
@@ -488,11 +492,14 @@ class Batcher:
         if not links:
             return None
         span = tracer.batch(self.model, self.device, links, start)
+        longest = max(e.n_tokens for e in batch)
+        rows, cols = self._shape(len(batch), longest) if self._shape is not None else (len(batch), longest)
         span.set_attributes({
             "coalesce.batch.size": len(batch),
             "coalesce.batch.tokens": sum(e.n_tokens for e in batch),
             "coalesce.batch.padded_tokens": padded,
-            "coalesce.batch.longest": max(e.n_tokens for e in batch),
+            "coalesce.batch.longest": longest,
+            "coalesce.batch.cell": f"{rows}x{cols}",
             "coalesce.batch.requests": len(links),
         })
         packed = tracer.packed(span)

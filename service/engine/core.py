@@ -83,7 +83,7 @@ class Engine:
             )
             batcher = Batcher(
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
-                device=str(runner.device),
+                device=str(runner.device), shape=getattr(runner, "padded_shape", None),
             )
             batcher.start()
             self.models.append(EngineModel(runner, worker, batcher, calibration))

@@ -92,6 +92,8 @@ async def test_request_spans_continue_the_callers_trace_and_batches_link_them_al
         assert b.attributes["coalesce.model"] == MODEL
         assert b.attributes["coalesce.batch.size"] >= 1
         assert b.attributes["coalesce.batch.padded_tokens"] >= b.attributes["coalesce.batch.tokens"]
+        rows, cols = map(int, b.attributes["coalesce.batch.cell"].split("x"))
+        assert rows >= b.attributes["coalesce.batch.size"] and cols >= b.attributes["coalesce.batch.longest"]
         assert b.parent_span_id == "" and b.resource["service.name"] == "embedder"
         for trace_id, span_id, attrs in b.links:
             key = (trace_id, span_id)

@@ -109,6 +109,8 @@ async def test_a_batch_span_links_every_request_it_computed(
               for ln in span.links}
     assert inputs == {links[0]: 2, links[1]: 1, links[2]: 1}
     assert span.attributes["coalesce.batch.size"] == 4  # alpha one computed once for two requests
+    longest = span.attributes["coalesce.batch.longest"]
+    assert span.attributes["coalesce.batch.cell"] == f"4x{longest}"  # the fake pads to its longest
     assert span.attributes["coalesce.batch.requests"] == 3
     assert span.attributes["coalesce.device"] == ""
     assert "coalesce.forward_ms" in span.attributes
