@@ -15,7 +15,8 @@ Gateway → engine: ``Hello`` (once connected), ``Submit`` (requests of one even
 (callers that left or ran out of time). Engine → gateway: ``Welcome`` (the served models, once
 loaded, or the load error), ``Results`` (finished and refused requests, and each model's queue),
 ``Refused`` (a message it could not take, with why). A refusal of a request carries its error's class
-name, so the gateway raises the same error class an in-process batcher would have raised.
+name, so the gateway raises the same error class an in-process batcher would have raised. With tracing
+on, a ``Job`` carries its request's span context and a ``Done`` its batches' spans (``tracing.pack``).
 """
 
 from __future__ import annotations
