@@ -115,6 +115,13 @@ class EncoderEngine:
             )
         self.capture_stats: CaptureStats = self._graphs.stats if self._graphs else CaptureStats()
 
+    def padded_shape(self, n: int, max_len: int) -> tuple[int, int]:
+        """The (rows, cols) a batch of ``n`` sequences (longest ``max_len``) runs at: its cell of the
+        grid on CUDA (rows past the grid stay ``n``), else ``n × max_len``."""
+        if self.grid is not None:
+            return self.grid.padded_shape(n, max_len)
+        return n, max_len
+
     def padded_cost(self, n: int, max_len: int) -> int:
         """Padded tokens the batch runs: its padded shape's area on CUDA, else ``n × max_len``."""
         if self.grid is not None:

@@ -17,6 +17,8 @@ markers are created when missing, and text outside the markers is kept):
 * ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity;
 * ``overload``: a RAG ingestion burst from the ``openai`` client against Coalesce and Infinity, a mixed
   burst at idle, and open loop at 0.5× to 4× capacity (``bench_overload``);
+* ``tracing``: CPU per request with OpenTelemetry tracing off, on at 100% and at 10% sampling, null
+  model (``bench_tracing``);
 * ``soak`` (only when named, ``make soak``): ``--soak-minutes`` of open-loop load alternating half and
   twice the measured capacity; every request answered, p99 within target, memory and descriptors
   steady (``bench_soak``);
@@ -42,7 +44,7 @@ from pathlib import Path
 
 SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
-    "features", "fairness", "overload",
+    "features", "fairness", "overload", "tracing",
 )
 EXTRA_SECTIONS = ("soak", "memory")  # run only when named in --only: too long for every `make bench`
 
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_overload,
         bench_sections,
         bench_soak,
+        bench_tracing,
     )
 
     runners: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "features": bench_features.features,
         "fairness": bench_fairness.fairness,
         "overload": bench_overload.overload,
+        "tracing": bench_tracing.tracing,
         "soak": bench_soak.soak,
         "memory": bench_memory.memory,
     }

@@ -61,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from coalesce.service.cli import main as cli_main
 
     args = list(sys.argv[1:] if argv is None else argv)
-    return cli_main(["serve", *args, "--runner-factory", f"{__name__}:factory"])
+    # By its full name: under `python -m` this module is `__main__`, which the allocator's re-exec of
+    # `coalesce.service.cli` is not.
+    return cli_main(["serve", *args, "--runner-factory", "coalesce.loadtests.nullmodel:factory"])
 
 
 if __name__ == "__main__":

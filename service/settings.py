@@ -415,6 +415,17 @@ class Settings:
         "'allocator' line says which ran.",
         default="auto",
     )
+    otlp_endpoint: str | None = _knob(
+        "OpenTelemetry collector to send traces to, over OTLP/HTTP protobuf (e.g. http://collector:4318; "
+        "/v1/traces is appended). Off when unset (also read from OTEL_EXPORTER_OTLP_ENDPOINT): then "
+        "OpenTelemetry is not even imported. On: a span per request in the caller's W3C trace, and one "
+        "per batch linked to every request it computed; sampling follows OTEL_TRACES_SAMPLER (default "
+        "parent-based). Costs CPU per sampled request; spans are flushed at the end of the drain.",
+        default=None,
+    )
+    otlp_service_name: str = _knob(
+        "The service.name of exported spans (also read from OTEL_SERVICE_NAME).", default="coalesce"
+    )
     log_level: str = _knob("Log level: debug logs one line per request and per batch.", default="info")
     log_format: str = _knob("Log format: json (for collectors) or console (for people).", default="json")
 
@@ -497,16 +508,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
+# Knobs that also honour a platform's or OpenTelemetry's own variable, below their COALESCE_* one.
+_FOREIGN_ENV = {
+    "port": "PORT",
+    "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "otlp_service_name": "OTEL_SERVICE_NAME",
+}
+
+
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
-    """Flags over ``COALESCE_*`` environment over defaults. ``PORT`` is honoured for the port."""
+    """Flags over ``COALESCE_*`` environment over defaults. ``PORT`` is honoured for the port, and
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` and ``OTEL_SERVICE_NAME`` for the tracing knobs."""
     env = dict(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Settings):
         given = getattr(args, f.name, None)
         if given is None:
             raw = env.get(_env_name(f))
-            if raw is None and f.name == "port":
-                raw = env.get("PORT")
+            if raw is None and f.name in _FOREIGN_ENV:
+                raw = env.get(_FOREIGN_ENV[f.name])
             if raw is None:
                 continue
             convert = _converter(f)

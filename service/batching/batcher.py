@@ -17,13 +17,14 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 from coalesce.kernels.protocol import OutputKind, marks
 
+from .. import tracing
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
@@ -56,6 +57,7 @@ class RequestResult:
     rows: np.ndarray  # (rows, width) float32
     queue_s: float  # the longest any of its inputs waited for a batch
     forward_s: float  # the longest forward among the batches its inputs rode in
+    batches: tuple[bytes, ...] = ()  # with tracing on: the spans of those batches (``tracing.pack``)
 
 
 class _Job:
@@ -66,11 +68,16 @@ class _Job:
     output only) is where each input's rows begin in the request's rows; pooled inputs have one each.
     """
 
-    __slots__ = ("forward_s", "future", "left", "queue_s", "rows", "size", "starts", "total")
+    __slots__ = (
+        "batches", "forward_s", "future", "left", "link", "queue_s", "rows", "size", "starts", "total"
+    )
 
     def __init__(self, future: asyncio.Future[RequestResult], size: int,
-                 starts: list[int] | None = None, total: int | None = None) -> None:
+                 starts: list[int] | None = None, total: int | None = None,
+                 link: bytes | None = None) -> None:
         self.future = future
+        self.link = link  # the request's sampled span (tracing on), which its batches' spans link
+        self.batches: tuple[bytes, ...] = ()
         self.size = size
         self.left = size
         self.starts = starts
@@ -94,7 +101,7 @@ class _Job:
         self.forward_s = max(self.forward_s, forward_s)
         self.left -= 1
         if self.left == 0:
-            self.future.set_result(RequestResult(self.rows, self.queue_s, self.forward_s))
+            self.future.set_result(RequestResult(self.rows, self.queue_s, self.forward_s, self.batches))
 
     def fail(self, err: BaseException) -> None:
         if not self.future.done():
@@ -152,9 +159,15 @@ class Batcher:
         scheduler: Scheduler,
         metrics: Metrics,
         cache: ResultCache | None = None,
+        device: str = "",
+        shape: Callable[[int, int], tuple[int, int]] | None = None,
     ) -> None:
         self._engine = engine
         self.model = model
+        # For the batch spans: where the model runs, and the (rows, cols) a batch of n sequences of at
+        # most m tokens is padded to (a CUDA graph cell); n × m for runners that do not say.
+        self.device = device
+        self._shape = shape
         self.scheduler = scheduler
         self._metrics = metrics
         self._series = metrics.model_series(model)
@@ -234,6 +247,7 @@ class Batcher:
         deadline: float | None = None,
         kind: OutputKind = OutputKind.POOLED,
         arrived: float | None = None,
+        link: bytes | None = None,
     ) -> asyncio.Future[RequestResult]:
         """Admit one request's inputs (complete id sequences), or raise why not before any work is done.
 
@@ -241,6 +255,7 @@ class Batcher:
         it drops the inputs still waiting. Cached inputs are answered at once; an input identical to one
         already queued or running (of any request) waits for that one. ``deadline`` and ``arrived``
         (when the request's head arrived; its waits count from then) are on ``time.monotonic()``.
+        ``link`` (tracing on): the request's span, which the spans of the batches computing it link.
         """
         self._refuse_if_closing()
         now = time.monotonic()
@@ -270,9 +285,9 @@ class Batcher:
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
-            job = _Job(future, len(seqs), starts=[0, *ends[:-1]], total=ends[-1])
+            job = _Job(future, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=link)
         else:
-            job = _Job(future, len(seqs))
+            job = _Job(future, len(seqs), link=link)
         future.add_done_callback(self._on_job_done)
         series = self._series
         if cache is not None:
@@ -415,6 +430,8 @@ class Batcher:
         start = time.monotonic()
         seconds: float | None = None
         kind = cast(OutputKind, batch[0].kind)  # the batcher gives every entry one
+        tracer = tracing.active
+        span = self._batch_span(tracer, batch, padded, start) if tracer is not None else None
         try:
             out = await self._engine.run([e.payload.ids for e in batch], kind)
             # The rows each input gets: one (pooled), or one per token.
@@ -422,6 +439,8 @@ class Batcher:
             if out.rows.shape[0] != sum(sizes):
                 raise RuntimeError(f"the runner returned {out.rows.shape[0]} rows for {sum(sizes)}")
         except Exception as exc:  # the runner's failure reaches exactly this batch
+            if span is not None:
+                tracer.failed(span, f"{type(exc).__name__}: {exc}")  # type: ignore[union-attr]
             m.batch_failures.inc()
             log.error("batch_failed", model=model, size=len(batch), error=f"{type(exc).__name__}: {exc}")
             self._answer(
@@ -446,6 +465,10 @@ class Batcher:
                 self._metrics.cache_bytes.set(cache.bytes)
             self._record(batch, padded, start, out)
         finally:
+            if span is not None:
+                if seconds is not None:
+                    span.set_attribute("coalesce.forward_ms", round(seconds * 1e3, 3))
+                span.end()
             self.scheduler.done(padded, seconds, time.monotonic())
             coef = self.scheduler.cost.coef
             if coef is not self._coef_shown:  # refitted (every few batches)
@@ -453,6 +476,36 @@ class Batcher:
                 m.cost_overhead.set(coef.overhead_s)
                 m.cost_per_token.set(coef.per_token_s)
             self._wake.set()
+
+    def _batch_span(self, tracer: tracing.Tracer, batch: list[Entry], padded: int, start: float) -> Any:
+        """The span of a batch that computes inputs of sampled requests (None if it computes none),
+        linked to each of those requests' spans; each such request learns the batch's span."""
+        links: dict[bytes, int] = {}
+        jobs: list[_Job] = []
+        for e in batch:
+            for job, _ in e.payload.waiters:
+                if job.link is not None:
+                    if job.link not in links:
+                        links[job.link] = 0
+                        jobs.append(job)
+                    links[job.link] += 1
+        if not links:
+            return None
+        span = tracer.batch(self.model, self.device, links, start)
+        longest = max(e.n_tokens for e in batch)
+        rows, cols = self._shape(len(batch), longest) if self._shape is not None else (len(batch), longest)
+        span.set_attributes({
+            "coalesce.batch.size": len(batch),
+            "coalesce.batch.tokens": sum(e.n_tokens for e in batch),
+            "coalesce.batch.padded_tokens": padded,
+            "coalesce.batch.longest": longest,
+            "coalesce.batch.cell": f"{rows}x{cols}",
+            "coalesce.batch.requests": len(links),
+        })
+        packed = tracer.packed(span)
+        for job in jobs:
+            job.batches += (packed,)
+        return span
 
     def _record(self, batch: list[Entry], padded: int, start: float, out: Output) -> None:
         m = self._series

@@ -82,7 +82,8 @@ class Engine:
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
             )
             batcher = Batcher(
-                worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache
+                worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
+                device=str(runner.device), shape=getattr(runner, "padded_shape", None),
             )
             batcher.start()
             self.models.append(EngineModel(runner, worker, batcher, calibration))

@@ -15,7 +15,8 @@ Gateway → engine: ``Hello`` (once connected), ``Submit`` (requests of one even
 (callers that left or ran out of time). Engine → gateway: ``Welcome`` (the served models, once
 loaded, or the load error), ``Results`` (finished and refused requests, and each model's queue),
 ``Refused`` (a message it could not take, with why). A refusal of a request carries its error's class
-name, so the gateway raises the same error class an in-process batcher would have raised.
+name, so the gateway raises the same error class an in-process batcher would have raised. With tracing
+on, a ``Job`` carries its request's span context and a ``Done`` its batches' spans (``tracing.pack``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
     deadline: float  # time.monotonic(), the same clock in every process of the host
     tokens: bool = False
     arrived: float = 0.0  # when its head reached the gateway (time.monotonic()); 0: unknown
+    trace: bytes = b""  # tracing on: the request's sampled span (``tracing.pack``), which batches link
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
@@ -88,6 +90,7 @@ class Done(msgspec.Struct, frozen=True, array_like=True):
     dim: int
     queue_s: float
     forward_s: float
+    batches: tuple[bytes, ...] = ()  # tracing on: the spans of the batches it rode in
 
 
 class Failure(msgspec.Struct, frozen=True, array_like=True):

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 from coalesce.kernels.protocol import OutputKind
 
+from .. import tracing
 from ..batching.batcher import RequestResult
 from ..batching.scheduler import Scheduler
 from ..errors import CoalesceError, InferenceFailed, Unavailable
@@ -119,6 +120,7 @@ class GatewayLink:
                 fut = model.batcher.submit(
                     seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline,
                     kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED, arrived=job.arrived or None,
+                    link=_link(job.trace),
                 )
             except wire.ProtocolError as exc:
                 log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
@@ -141,7 +143,8 @@ class GatewayLink:
             return
         result = fut.result()
         rows = np.ascontiguousarray(result.rows, dtype=np.float32)
-        self._done.append(wire.Done(job_id, rows.shape[0], rows.shape[1], result.queue_s, result.forward_s))
+        self._done.append(wire.Done(job_id, rows.shape[0], rows.shape[1], result.queue_s, result.forward_s,
+                                    result.batches))
         self._frames.append(rows)
         self._schedule_flush()
 
@@ -188,6 +191,15 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
     """Load the models and serve the gateways until SIGTERM (0), or exit 1 if loading fails."""
     if not settings.engine_dir:
         raise SystemExit("the engine needs --engine-dir (the supervisor of --workers sets it)")
+    tracing.start(settings, "engine")
+    try:
+        return await _serve_engine(settings, factory)
+    finally:
+        tracing.stop()  # the last batches' spans go out before the process does
+
+
+async def _serve_engine(settings: Settings, factory: RunnerFactory | None) -> int:
+    assert settings.engine_dir is not None
     metrics = Metrics()
     engine = Engine(settings, metrics, factory or default_factory(settings))
     ctx: zmq.Context[Any] = zmq.Context()
@@ -231,6 +243,15 @@ async def serve_engine(settings: Settings, factory: RunnerFactory | None = None)
         link.close()
     ctx.term()
     return code
+
+
+def _link(raw: bytes) -> bytes | None:
+    """A job's span context, when tracing is on here and the gateway sent a well-formed one."""
+    if not raw or tracing.active is None:
+        return None
+    if len(raw) != tracing.PACKED:
+        raise wire.ProtocolError(f"a span context of {len(raw)} bytes")
+    return raw
 
 
 def _queue(sched: Scheduler, now: float) -> wire.Queue:

@@ -1,6 +1,7 @@
 """``create_app(settings)``: the whole HTTP surface composed in one place.
 
-Middlewares (outermost first): ``observe`` binds the request id, counts in-flight requests and records
+Middlewares (outermost first): ``traced`` (only with tracing on: ``service/tracing.py``) opens the
+request's span in the caller's trace; ``observe`` binds the request id, counts in-flight requests and records
 metrics and the per-request log line; ``errors`` turns every failure into the error shape of the dialect
 its route speaks (``routing``: OpenAI's, TEI's or Cohere's), rendered by ``dialects.render``, the one
 mapping in the service; ``authenticate`` checks API keys; ``shed`` refuses a queued route's request from
@@ -23,6 +24,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .. import tracing
 from ..dialects import Dialect, render
 from ..engine.core import RunnerFactory, default_factory
 from ..errors import (
@@ -96,6 +98,31 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         structlog.contextvars.unbind_contextvars("request_id")
 
 
+_UNTRACED = frozenset({"/health", "/ready", "/metrics"})
+
+
+@web.middleware
+async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With tracing on (outermost): the request's server span, in the caller's trace when it sent
+    ``traceparent``; its trace id is on every log line of the request, ``observe``'s included."""
+    tracer = tracing.active
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    if tracer is None or route in _UNTRACED:  # probes and scrapes would bury the requests' traces
+        return await handler(request)
+    with tracer.request(request.method, route, request.path, request.headers) as trace:
+        ctx = trace.span.get_span_context()
+        structlog.contextvars.bind_contextvars(trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}")
+        status, rid = 499, request.headers.get("X-Request-ID", "")  # the client left, unless answered
+        try:
+            resp = await handler(request)
+            status, rid = resp.status, resp.headers.get("x-request-id", rid)
+            return resp
+        finally:
+            tracer.answered(trace, status, rid)
+            structlog.contextvars.unbind_contextvars("trace_id", "span_id")
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -165,9 +192,11 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     """The application for ``settings``: in one process (the engine in it), or as one of ``--workers``
     gateways in front of the engine process. ``runner_factory`` replaces model loading (tests)."""
     metrics = Metrics()
-    app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[observe, errors, authenticate, shed, read_body]
-    )
+    # Tracing adds its middleware only when on: off, the request path has no trace of it.
+    middlewares = [observe, errors, authenticate, shed, read_body]
+    if tracing.active is not None:
+        middlewares.insert(0, traced)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     registry = ModelRegistry()
     life = Lifecycle(metrics)
     app[SETTINGS] = settings

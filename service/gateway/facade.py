@@ -28,6 +28,7 @@ from coalesce.kernels.calibration import ranges
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
 from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 
+from .. import tracing
 from ..batching.admit import AdmissionConfig, Refusal, judge_wait
 from ..batching.batcher import Batcher, RequestResult, refusal_error
 from ..batching.fair import DEFAULT_TENANT
@@ -71,6 +72,13 @@ class ServedModel:
     # -- tokenising ----------------------------------------------------------------------------------
     async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Raw ids of ``texts`` (no special tokens, untruncated), off the event loop."""
+        trace = tracing.current()
+        if trace is not None:
+            with trace.child("coalesce.tokenize", **{"coalesce.texts": len(texts)}):
+                return await self._tokenize(texts)
+        return await self._tokenize(texts)
+
+    async def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         loop = asyncio.get_running_loop()
         if len(texts) > _BULK_TEXTS:
             return await loop.run_in_executor(self._bulk_cpu, self.tokens.tokenize, texts)
@@ -172,10 +180,11 @@ class ServedModel:
         return first, total
 
     def submit(
-        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None
     ) -> asyncio.Future[RequestResult]:
         """Hand complete id sequences to the model (raising its refusal at once); cancelling the
-        future withdraws what has not run."""
+        future withdraws what has not run. ``link``: the request's span (``tracing.pack``), for the
+        spans of the batches that compute it."""
         raise NotImplementedError
 
     async def infer(
@@ -185,7 +194,9 @@ class ServedModel:
 
         ``kind`` TOKENS asks for every token's vector (``info.token_embeddings`` models only): the
         result then holds each input's ``len(seq)`` rows, one input after the other."""
-        fut = self.submit(seqs, adm, kind)
+        trace = tracing.current()
+        submitted = time.monotonic()
+        fut = self.submit(seqs, adm, kind, None if trace is None else trace.link)
         # The deadline is one timer that cancels what is still awaited (cheaper on this path than
         # asyncio.timeout); `expired` tells its cancellation from the task's own.
         expired = False
@@ -197,7 +208,10 @@ class ServedModel:
 
         timer = asyncio.get_running_loop().call_later(max(0.0, adm.deadline - time.monotonic()), expire)
         try:
-            return await fut
+            result = await fut
+            if trace is not None:  # its last batch started when its longest wait ended
+                trace.inferred(self.info.name, seqs, submitted, adm.arrived + result.queue_s, result.batches)
+            return result
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not expired or (task is not None and task.cancelling()):
@@ -234,11 +248,11 @@ class LocalModel(ServedModel):
                                  first=first, total=total, inputs=inputs)
 
     def submit(
-        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None
     ) -> asyncio.Future[RequestResult]:
         return self._batcher.submit(
             seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline,
-            kind=kind, arrived=adm.arrived,
+            kind=kind, arrived=adm.arrived, link=link,
         )
 
 
@@ -300,9 +314,9 @@ class RemoteModel(ServedModel):
         raise refusal_error(refusal, self.info.name)
 
     def submit(
-        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind
+        self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None
     ) -> asyncio.Future[RequestResult]:
-        return self._client.submit(self._index, seqs, adm, kind)
+        return self._client.submit(self._index, seqs, adm, kind, link)
 
 
 class Backend(Protocol):

@@ -99,10 +99,11 @@ class EngineClient:
         return self._queues[model], age
 
     def submit(
-        self, model: int, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind = OutputKind.POOLED
+        self, model: int, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind = OutputKind.POOLED,
+        link: bytes | None = None,
     ) -> asyncio.Future[RequestResult]:
         """Send one request; the future resolves with its rows (of ``kind``), or raises the engine's
-        refusal."""
+        refusal. ``link``: the request's span, which the engine's batch spans link (tracing on)."""
         self.check_open()
         job_id = next(self._ids)
         marked, frame = wire.pack_job(seqs)
@@ -112,7 +113,7 @@ class EngineClient:
         self._idle.clear()
         self._jobs.append(
             wire.Job(job_id, model, len(seqs), marked, adm.tenant, adm.weight, adm.priority, adm.deadline,
-                     kind is OutputKind.TOKENS, adm.arrived)
+                     kind is OutputKind.TOKENS, adm.arrived, link or b"")
         )
         self._frames.append(frame)
         self._schedule_flush()
@@ -167,7 +168,7 @@ class EngineClient:
             fut = waiting.get(done.id)
             if fut is not None and not fut.done():
                 rows = np.frombuffer(frame.buffer, dtype=np.float32).reshape(done.n, done.dim)
-                fut.set_result(RequestResult(rows, done.queue_s, done.forward_s))
+                fut.set_result(RequestResult(rows, done.queue_s, done.forward_s, done.batches))
         for failed in msg.failed:
             fut = waiting.get(failed.id)
             if fut is not None and not fut.done():

@@ -2,8 +2,8 @@
 
 Shutdown sequence: readiness turns 503 at once; the listener keeps accepting for ``shutdown_grace_s``
 (the platform is still removing this replica from its endpoints); then admitted work gets up to
-``drain_timeout_s`` to finish; whatever is still waiting is answered 503; the listener closes and the
-process exits 0.
+``drain_timeout_s`` to finish; whatever is still waiting is answered 503; the listener closes, the
+spans still buffered (tracing on) are exported, and the process exits 0.
 
 A process whose models cannot be served exits 1 so the platform restarts it: at once when they never
 loaded; when a gateway loses its engine, it keeps answering 503 (``engine_unavailable``) until the
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from .. import tracing
 from ..engine.core import RunnerFactory
 from ..logs import get_logger
 from ..settings import Settings
@@ -37,6 +38,14 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
     """Serve until SIGTERM/SIGINT (then drain; 0), or until the models cannot be served (1).
 
     ``runner_factory`` replaces model loading (the gateway benchmark serves a null model)."""
+    tracing.start(settings, f"gateway-{settings.worker_id}" if settings.role == "gateway" else "server")
+    try:
+        return await _serve(settings, runner_factory)
+    finally:
+        tracing.stop()  # the drain's last spans go out before the process does
+
+
+async def _serve(settings: Settings, runner_factory: RunnerFactory | None) -> int:
     app = create_app(settings, runner_factory)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, **handler_kwargs(settings))
     await runner.setup()  # starts loading the models

@@ -36,7 +36,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from coalesce.service.allocator import JEMALLOC_CONF, JEMALLOC_SONAME
-from coalesce.service.settings import Settings, env_name
+from coalesce.service.settings import Settings, build, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -909,6 +909,29 @@ def test_the_cpu_and_cuda_images_serve_the_docs_page(dockerfile: Path) -> None:
     assert any(re.search(r'"\.\[[\w,]*docs[\w,]*\]"', args) for args in installs), installs
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert any(dep.startswith("swagger-ui-py") for dep in project["optional-dependencies"]["docs"])
+
+
+@pytest.mark.parametrize("dockerfile", [CPU_DOCKERFILE, CUDA_DOCKERFILE], ids=["cpu", "cuda"])
+def test_the_cpu_and_cuda_images_can_export_traces(dockerfile: Path) -> None:
+    """--otlp-endpoint (or the manifests' OTEL_EXPORTER_OTLP_ENDPOINT) needs the tracing extra."""
+    installs = [i.args for i in parse_dockerfile(dockerfile.read_text())
+                if i.keyword == "RUN" and "pip install" in i.args]
+    assert any(re.search(r'"\.\[[\w,]*tracing[\w,]*\]"', args) for args in installs), installs
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = project["optional-dependencies"]["tracing"]
+    assert any(d.startswith("opentelemetry-exporter-otlp-proto-http") for d in extra), extra
+
+
+@pytest.mark.parametrize("platform", ["knative", "kubernetes"])
+def test_the_knative_and_keda_pods_name_a_collector_with_tracing_off_by_default(platform: str) -> None:
+    """An operator points traces at a collector by filling one variable in; as shipped it is empty,
+    which the server reads as off."""
+    pod = one(KNATIVE_FILE, "Service") if platform == "knative" else k8s("Deployment")
+    env = env_of(pod["spec"]["template"]["spec"]["containers"][0])
+    assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == ""
+    assert build([], environ=env).otlp_endpoint in (None, "")
+    filled = build([], environ={**env, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4318"})
+    assert filled.otlp_endpoint == "http://otel-collector:4318"
 
 
 def test_the_project_installs_the_console_script_and_the_packaged_model() -> None:

@@ -27,11 +27,14 @@ def test_on_cuda_an_eager_batch_is_padded_to_its_cell() -> None:
     assert (prepared.n, prepared.max_len) == (3, 20)
     assert prepared.ids[0, :4].tolist() == [5, 6, 7, 0] and int(prepared.ids[3].abs().sum()) == 0
     assert engine.padded_cost(3, 20) == 4 * 64  # what the batcher is told the batch costs
+    assert engine.padded_shape(3, 20) == (4, 64)  # what a batch's trace span names as its cell
 
 
 def test_on_cuda_a_batch_past_the_largest_bucket_keeps_its_rows_but_buckets_its_columns() -> None:
-    prepared = _engine("cuda").prepare([[1] * 17] * 20)
+    engine = _engine("cuda")
+    prepared = engine.prepare([[1] * 17] * 20)
     assert prepared.ids.shape == (20, 64) and prepared.cell is None
+    assert engine.padded_shape(20, 17) == (20, 64)
 
 
 def test_on_cpu_a_batch_runs_at_its_own_shape() -> None:
@@ -40,3 +43,4 @@ def test_on_cpu_a_batch_runs_at_its_own_shape() -> None:
     assert prepared.ids.shape == (3, 20) and prepared.cell is None
     np.testing.assert_array_equal(prepared.lengths.numpy(), [3, 20, 1])
     assert engine.padded_cost(3, 20) == 60
+    assert engine.padded_shape(3, 20) == (3, 20)
