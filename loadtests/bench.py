@@ -17,6 +17,8 @@ markers are created when missing, and text outside the markers is kept):
 * ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity;
 * ``overload``: a RAG ingestion burst from the ``openai`` client against Coalesce and Infinity, a mixed
   burst at idle, and open loop at 0.5× to 4× capacity (``bench_overload``);
+* ``longinput``: 2,000-token texts chunked against truncated (tokens/s), and query p99 beside a
+  stream of long chunked inputs (``bench_longinput``);
 * ``soak`` (only when named, ``make soak``): ``--soak-minutes`` of open-loop load alternating half and
   twice the measured capacity; every request answered, p99 within target, memory and descriptors
   steady (``bench_soak``);
@@ -42,7 +44,7 @@ from pathlib import Path
 
 SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
-    "features", "fairness", "overload",
+    "features", "fairness", "overload", "longinput",
 )
 EXTRA_SECTIONS = ("soak", "memory")  # run only when named in --only: too long for every `make bench`
 
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_engine,
         bench_fairness,
         bench_features,
+        bench_longinput,
         bench_memory,
         bench_onnx,
         bench_overload,
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "features": bench_features.features,
         "fairness": bench_fairness.fairness,
         "overload": bench_overload.overload,
+        "longinput": bench_longinput.longinput,
         "soak": bench_soak.soak,
         "memory": bench_memory.memory,
     }
