@@ -170,7 +170,7 @@ def longinput(args: argparse.Namespace) -> tuple[str, str]:
     texts = long_texts(64, TEXT_TOKENS, _counter())
     spec = _spec(args, "coalesce-longinput", ["--cache-mb", "0", "--log-level", "warning"])
     with servers.running(spec, out / "logs", args.ready_timeout) as srv:
-        url = srv.url + "/v1/embeddings"
+        url = srv.url  # the embeddings route
         asyncio.run(_throughput(url, texts, "chunk", min(3.0, seconds)))  # warm-up, not reported
         cut = asyncio.run(_throughput(url, texts, "truncate", seconds))
         chunked = asyncio.run(_throughput(url, texts, "chunk", seconds))
