@@ -229,3 +229,15 @@ async def test_overlap_that_leaves_no_room_and_embed_all_chunk_are_refused(
     # Under --long-input chunk, /embed_all refuses a long input by name rather than cutting it silently.
     status, body = await _post(server.url + "/embed_all", {"model": "plain", "inputs": texts[0]})
     assert status == 422 and "inputs[0]" in body["error"], body
+
+
+def test_the_openai_client_chunks_through_extra_body(
+    server: ServerThread, st_models: dict[str, Any], texts: list[str]
+) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    resp = client.embeddings.create(model="plain", input=texts[1], extra_body={"long_input": "chunk"})
+    want, tokens = by_hand(st_models["plain"], texts[1])
+    _close(resp.data[0].embedding, want)  # base64, the client's default, carries the pooled vector
+    assert resp.usage.prompt_tokens == tokens
