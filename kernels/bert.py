@@ -310,6 +310,11 @@ class GraphSafeBert(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Embeddings (B, dim) float32 of right-padded ``input_ids`` (B, S) with true ``lengths`` (B,)."""
+        pooled = self.pool(input_ids, lengths)
+        return F.normalize(pooled, p=2.0, dim=-1) if self.normalize else pooled
+
+    def pool(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``forward`` before its L2 normalisation: pooled (and ``truncate_dim``-cut) float32 (B, dim)."""
         x, keep = self._encode(input_ids, lengths)
         h = x.float()
         if self.pooling == "cls":
@@ -319,7 +324,5 @@ class GraphSafeBert(nn.Module):
             pooled = (h * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         if self.dim != pooled.shape[1]:
             pooled = pooled[:, : self.dim]
-        if self.normalize:
-            pooled = F.normalize(pooled, p=2.0, dim=-1)
         return pooled
 

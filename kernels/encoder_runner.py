@@ -12,7 +12,10 @@ is for CUDA; CPU always runs float32.
 
 Output is the model's full width (or its fixed ``truncate_dim``), L2-normalised when the model's
 pipeline normalises: per-request ``dimensions`` stay with the gateway, which truncates and
-re-normalises on the host, so one set of graphs serves every width.
+re-normalises on the host, so one set of graphs serves every width. Graphs hold the pooled rows; the
+normalisation runs after them, on the device, and skips rows marked ``raw`` (windows of a long input,
+which the gateway pools together before it normalises), so windows share batches and graphs with
+everything else.
 
 ``build_encoder_runner`` returns None, with a log line, for models outside the BERT family or with
 a module pipeline this forward does not reproduce; the caller then uses the eager runner. It loads
@@ -29,11 +32,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .bert import GraphSafeBert, PoolingMode, unsupported_reason
 from .buckets import BucketGrid, Cell, GraphOptions, pad_to_shape
 from .graphs import CaptureStats, CudaGraphs
-from .protocol import ModelInfo, Task
+from .protocol import ModelInfo, Task, is_raw
 from .st_config import prompt_fields
 from .st_runner import model_name_from_path, resolve_device
 from .tokens import TokenizerAdapter
@@ -78,6 +82,7 @@ class EncoderBatch:
     n: int  # real rows; rows past n are padding and never reach the results
     max_len: int  # longest real sequence
     cell: Cell | None  # the grid cell the batch is padded to (CUDA); None: outside the grid, or CPU
+    raw: torch.Tensor | None = None  # (n,) bool: rows to leave unnormalised; None: none of them
 
 
 class EncoderEngine:
@@ -106,7 +111,7 @@ class EncoderEngine:
             self.grid = BucketGrid.build(max_tokens, graphs.batch_sizes, graphs.seq_lens)
         if graphs.enabled and self.grid is not None:
             self._graphs = CudaGraphs(
-                model,
+                model.pool,
                 device,
                 pad_id=pad_id,
                 budget_s=graphs.budget_s,
@@ -139,19 +144,33 @@ class EncoderEngine:
         else:
             rows, cols = n, max_len
         ids, lengths = pad_to_shape(batch, rows, cols, self.pad_id)
-        return EncoderBatch(torch.from_numpy(ids), torch.from_numpy(lengths), n, max_len, cell)
+        raw = [is_raw(seq) for seq in batch]
+        return EncoderBatch(torch.from_numpy(ids), torch.from_numpy(lengths), n, max_len, cell,
+                            torch.tensor(raw) if any(raw) else None)
 
     def forward(self, prepared: EncoderBatch) -> torch.Tensor:
         """Embeddings of the real rows, on the device (a copy: later replays cannot overwrite it)."""
         with torch.inference_mode():
-            if self._graphs is not None and prepared.cell is not None:
-                out = self._graphs.run(prepared.cell, prepared.ids, prepared.lengths, prepared.n)
-                if out is not None:
-                    return out
-            self.capture_stats.eager_runs += 1
-            ids = prepared.ids.to(self.device, non_blocking=True)
-            lengths = prepared.lengths.to(self.device, non_blocking=True)
-            return self.model(ids, lengths)[: prepared.n]
+            return self._normalized(self._pooled(prepared), prepared)
+
+    def _pooled(self, prepared: EncoderBatch) -> torch.Tensor:
+        if self._graphs is not None and prepared.cell is not None:
+            out = self._graphs.run(prepared.cell, prepared.ids, prepared.lengths, prepared.n)
+            if out is not None:
+                return out
+        self.capture_stats.eager_runs += 1
+        ids = prepared.ids.to(self.device, non_blocking=True)
+        lengths = prepared.lengths.to(self.device, non_blocking=True)
+        return self.model.pool(ids, lengths)[: prepared.n]
+
+    def _normalized(self, pooled: torch.Tensor, prepared: EncoderBatch) -> torch.Tensor:
+        """The model's L2 normalisation (when it has one) of every row but the ``raw`` ones."""
+        if not self.model.normalize:
+            return pooled
+        unit = F.normalize(pooled, p=2.0, dim=-1)
+        if prepared.raw is None:
+            return unit
+        return torch.where(prepared.raw.to(self.device, non_blocking=True).unsqueeze(1), pooled, unit)
 
     def finish(self, output: torch.Tensor, prepared: EncoderBatch) -> np.ndarray:
         """float32 (n, dim) on the host."""
@@ -273,6 +292,7 @@ def make_encoder_runner(
         **prompt_fields(model_path),
         dtype=dtype_name(model.word.weight.dtype),
         token_embeddings=True,
+        raw_rows=True,
     )
     log.info("model %s runs on the graph-safe BERT forward (%s, %s)", model_path, device,
              model.word.weight.dtype)

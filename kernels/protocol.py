@@ -94,22 +94,30 @@ class ModelInfo:
     token_embeddings: bool = False  # the runner answers OutputKind.TOKENS (a TokenRunner)
     # rerank by an LLM: the gateway formats each pair with this template (None: a cross-encoder's pair)
     rerank_template: RerankTemplate | None = None
+    # the runner answers a sequence marked ``raw`` (a window of a long input) with its pooled vector
+    # before the model's normalisation, so the gateway can pool windows as one long forward would
+    raw_rows: bool = False
 
 
 class MarkedIds(list[int]):
-    """A complete id sequence with positions its runner must know: where a text pair's second segment
-    starts (segment ids), and where pooling starts (a prompt the model's pooling leaves out).
+    """A complete id sequence with what its runner must know: where a text pair's second segment
+    starts (segment ids), where pooling starts (a prompt the model's pooling leaves out), and whether
+    its row comes back ``raw``: pooled but not normalised (a window of a long input, which the gateway
+    pools with its other windows and normalises once; only runners with ``ModelInfo.raw_rows``).
 
     A plain list to everything above the runner, so it flows through the batcher as ``Sequence[int]``
     unchanged and the token budget charges all of it. A copy made with ``list(...)`` is unmarked.
     """
 
-    __slots__ = ("b_start", "pool_start")
+    __slots__ = ("b_start", "pool_start", "raw")
 
-    def __init__(self, ids: Sequence[int], *, b_start: int = -1, pool_start: int = 0) -> None:
+    def __init__(
+        self, ids: Sequence[int], *, b_start: int = -1, pool_start: int = 0, raw: bool = False
+    ) -> None:
         super().__init__(ids)
         self.b_start = b_start  # -1: a single text
         self.pool_start = pool_start  # 0: pool over every token
+        self.raw = raw  # True: the pooled row before the model's normalisation
 
 
 class PairIds(MarkedIds):
@@ -130,9 +138,23 @@ class PromptIds(MarkedIds):
         super().__init__(ids, pool_start=pool_start)
 
 
+class WindowIds(MarkedIds):
+    """A window of an input longer than the model: its row comes back ``raw`` (see ``MarkedIds``)."""
+
+    __slots__ = ()
+
+    def __init__(self, ids: Sequence[int], pool_start: int = 0) -> None:
+        super().__init__(ids, pool_start=pool_start, raw=True)
+
+
 def marks(seq: Sequence[int]) -> tuple[int, int]:
     """``(b_start, pool_start)`` of a sequence: ``(-1, 0)`` for an unmarked one."""
     return (seq.b_start, seq.pool_start) if isinstance(seq, MarkedIds) else (-1, 0)
+
+
+def is_raw(seq: Sequence[int]) -> bool:
+    """Whether ``seq``'s row must come back pooled but not normalised (a window of a long input)."""
+    return isinstance(seq, MarkedIds) and seq.raw
 
 
 class Tokens(Protocol):

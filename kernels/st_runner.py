@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import ModelInfo, Task, marks
+from .protocol import ModelInfo, Task, is_raw, marks
 from .st_config import prompt_fields
 from .tokens import TokenizerAdapter, pad_batch
 
@@ -64,6 +64,7 @@ class Prepared:
     features: dict[str, Any]
     rows: int  # real inputs; any further rows are padding
     pool_starts: list[int] | None = None  # per row, where pooling starts (prompts left out of it)
+    raw: list[bool] | None = None  # per row, whether it skips the final Normalize (``MarkedIds.raw``)
 
 
 class SentenceTransformerRunner:
@@ -85,7 +86,8 @@ class SentenceTransformerRunner:
         self.tokens = TokenizerAdapter(self.model.tokenizer, max_tokens)
         self._input_names = set(self.model.tokenizer.model_input_names)
         dim_of = partial(_embedding_dimension, self.model)
-        normalized = any(type(m).__name__ == "Normalize" for m in self.model)
+        kinds = [type(m).__name__ for m in self.model]
+        normalized = "Normalize" in kinds
         self.info = ModelInfo(
             name=name or model_name_from_path(path),
             task=Task.EMBED,
@@ -97,6 +99,7 @@ class SentenceTransformerRunner:
             **prompt_fields(path),
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             token_embeddings=True,
+            raw_rows=not normalized or kinds[-1] == "Normalize",  # raw rows skip a final Normalize
         )
 
     # -- CPU side ------------------------------------------------------------------------------------
@@ -112,27 +115,37 @@ class SentenceTransformerRunner:
     def prepare(self, batch: Sequence[Sequence[int]]) -> Prepared:
         features = padded_features(batch, self.tokens.pad_id, "token_type_ids" in self._input_names)
         starts = [marks(seq)[1] for seq in batch]
-        return Prepared(features=features, rows=len(batch), pool_starts=starts if any(starts) else None)
+        raw = [is_raw(seq) for seq in batch]
+        return Prepared(features=features, rows=len(batch), pool_starts=starts if any(starts) else None,
+                        raw=raw if any(raw) and self.info.normalized else None)
 
     # -- model thread --------------------------------------------------------------------------------
     def forward(self, prepared: Prepared) -> Any:
         torch = self._torch
         with torch.inference_mode():
             features = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
-            if prepared.pool_starts is None:
+            if prepared.pool_starts is None and prepared.raw is None:
                 return self.model(features)["sentence_embedding"]
-            # Prompts the pooling leaves out, one length per row (sentence-transformers' own
-            # ``prompt_length`` is one per batch): the encoder sees every token, pooling does not see
-            # the prompt's. The same module stack as ``self.model(features)``, mask swapped between.
+            # The same module stack as ``self.model(features)``, with two changes where a batch asks:
+            # prompts the pooling leaves out, one length per row (sentence-transformers' own
+            # ``prompt_length`` is one per batch), so the encoder sees every token and pooling does not
+            # see the prompt's; and raw rows (windows of a long input), which skip the final Normalize.
             modules = list(self.model)
             features = modules[0](features)
-            mask = features["attention_mask"].clone()
-            for row, start in enumerate(prepared.pool_starts):
-                mask[row, :start] = 0
-            features["attention_mask"] = mask
-            for module in modules[1:]:
+            if prepared.pool_starts is not None:
+                mask = features["attention_mask"].clone()
+                for row, start in enumerate(prepared.pool_starts):
+                    mask[row, :start] = 0
+                features["attention_mask"] = mask
+            last = modules[-1] if prepared.raw is not None and len(modules) > 1 else None
+            for module in modules[1:-1] if last is not None else modules[1:]:
                 features = module(features)
-            return features["sentence_embedding"]
+            pooled = features["sentence_embedding"]
+            if last is None:
+                return pooled
+            unit = last(dict(features))["sentence_embedding"]
+            raw = torch.tensor(prepared.raw, device=pooled.device).unsqueeze(1)
+            return torch.where(raw, pooled, unit)
 
     def finish(self, output: Any, prepared: Prepared) -> np.ndarray:
         rows: np.ndarray = output[: prepared.rows].float().cpu().numpy()

@@ -19,6 +19,8 @@ markers are created when missing, and text outside the markers is kept):
   burst at idle, and open loop at 0.5× to 4× capacity (``bench_overload``);
 * ``tracing``: CPU per request with OpenTelemetry tracing off, on at 100% and at 10% sampling, null
   model (``bench_tracing``);
+* ``longinput``: 2,000-token texts chunked against truncated (tokens/s), and query p99 beside a
+  stream of long chunked inputs (``bench_longinput``);
 * ``soak`` (only when named, ``make soak``): ``--soak-minutes`` of open-loop load alternating half and
   twice the measured capacity; every request answered, p99 within target, memory and descriptors
   steady (``bench_soak``);
@@ -44,7 +46,7 @@ from pathlib import Path
 
 SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
-    "features", "fairness", "overload", "tracing",
+    "features", "fairness", "overload", "tracing", "longinput",
 )
 EXTRA_SECTIONS = ("soak", "memory")  # run only when named in --only: too long for every `make bench`
 
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_engine,
         bench_fairness,
         bench_features,
+        bench_longinput,
         bench_memory,
         bench_onnx,
         bench_overload,
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "fairness": bench_fairness.fairness,
         "overload": bench_overload.overload,
         "tracing": bench_tracing.tracing,
+        "longinput": bench_longinput.longinput,
         "soak": bench_soak.soak,
         "memory": bench_memory.memory,
     }

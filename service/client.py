@@ -121,11 +121,14 @@ class Client:
         return {m["id"]: m["task"] for m in (self._core.info or {}).get("models", [])}
 
     def embed(
-        self, texts: str | Sequence[str], *, model: str | None = None, dimensions: int | None = None
+        self, texts: str | Sequence[str], *, model: str | None = None, dimensions: int | None = None,
+        long_input: str | None = None, chunk_overlap: int | None = None,
     ) -> np.ndarray:
-        """A float32 array with one row per text, in order."""
+        """A float32 array with one row per text, in order. ``long_input`` (truncate, chunk or error)
+        and ``chunk_overlap`` choose what the server does with a text longer than the model (default:
+        its ``--long-input``)."""
         self._ensure_info()
-        bodies = self._core.embed_requests(texts, model, dimensions)
+        bodies = self._core.embed_requests(texts, model, dimensions, long_input, chunk_overlap)
         return np.concatenate(
             [self._core.embeddings(self._call("POST", "/v1/embeddings", b)) for b in bodies]
         )
@@ -240,11 +243,12 @@ class AsyncClient:
         return {m["id"]: m["task"] for m in (self._core.info or {}).get("models", [])}
 
     async def embed(
-        self, texts: str | Sequence[str], *, model: str | None = None, dimensions: int | None = None
+        self, texts: str | Sequence[str], *, model: str | None = None, dimensions: int | None = None,
+        long_input: str | None = None, chunk_overlap: int | None = None,
     ) -> np.ndarray:
-        """A float32 array with one row per text, in order."""
+        """A float32 array with one row per text, in order (``long_input``: see :meth:`Client.embed`)."""
         await self._ensure_info()
-        bodies = self._core.embed_requests(texts, model, dimensions)
+        bodies = self._core.embed_requests(texts, model, dimensions, long_input, chunk_overlap)
         answers = await self._post_all("/v1/embeddings", bodies)
         return np.concatenate([self._core.embeddings(a) for a in answers])
 

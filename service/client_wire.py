@@ -171,10 +171,12 @@ class Wire:
         return [(i, min(n, i + size)) for i in range(0, n, size)] or [(0, 0)]
 
     def embed_requests(
-        self, texts: str | Sequence[str], model: str | None, dimensions: int | None
+        self, texts: str | Sequence[str], model: str | None, dimensions: int | None,
+        long_input: str | None = None, chunk_overlap: int | None = None,
     ) -> list[dict[str, Any]]:
         items, name = texts_list(texts), model or self.default_model("embed")
-        extra = {} if dimensions is None else {"dimensions": dimensions}
+        given = {"dimensions": dimensions, "long_input": long_input, "chunk_overlap": chunk_overlap}
+        extra = {k: v for k, v in given.items() if v is not None}
         return [
             {"model": name, "input": items[a:b], "encoding_format": "base64", **extra}
             for a, b in self.parts(len(items))

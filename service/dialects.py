@@ -21,7 +21,7 @@ TEI's statuses and ``error_type`` for our errors:
 error                                                  status  error_type
 =====================================================  ======  ============
 empty input or empty batch (``empty_input``)           400     Empty
-too many inputs, body or request over the limits       413     Validation
+too many inputs, body, request or input over limits    413     Validation
 other invalid requests (types, values, too long)       422     Validation
 token ids the tokenizer cannot decode                  422     Tokenizer
 unknown model, route or method; bad API key            ours    Validation
@@ -75,6 +75,7 @@ _TEI_INVALID: dict[str, tuple[int, TeiErrorType]] = {
     "empty_input": (400, "Empty"),
     "too_many_inputs": (413, "Validation"),
     "request_too_large": (413, "Validation"),
+    "input_too_large": (413, "Validation"),  # a chunked input past --max-input-tokens
     "invalid_token_id": (422, "Tokenizer"),
 }
 

@@ -35,6 +35,8 @@ class EmbeddingRequest(msgspec.Struct, frozen=True):
     dimensions: int | None = None
     user: str | None = None
     prompt_name: str | None = None  # ours, one of the model's prompts (openai's client: extra_body)
+    long_input: str | None = None  # ours: truncate, chunk or error (default: --long-input)
+    chunk_overlap: int | None = None  # ours: tokens each window repeats (default: --chunk-overlap)
 
 
 class EmbeddingData(msgspec.Struct, frozen=True):
@@ -205,6 +207,8 @@ class EmbedV2Request(msgspec.Struct, frozen=True):
     embedding_types: list[str] | None = None
     truncate: str | None = None
     priority: int | None = None
+    long_input: str | None = None  # ours: truncate, chunk or error (wins over truncate)
+    chunk_overlap: int | None = None
 
 
 class EmbeddingsByType(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -299,6 +303,8 @@ class TeiEmbedRequest(msgspec.Struct, frozen=True):
     dimensions: int | None = None
     prompt_name: str | None = None
     model: str | None = None
+    long_input: str | None = None  # ours: truncate, chunk or error (wins over truncate)
+    chunk_overlap: int | None = None
 
 
 class TeiEmbedAllRequest(msgspec.Struct, frozen=True):
@@ -310,6 +316,7 @@ class TeiEmbedAllRequest(msgspec.Struct, frozen=True):
     truncation_direction: str = "right"
     prompt_name: str | None = None
     model: str | None = None
+    long_input: str | None = None  # ours: truncate or error (chunk pools; token vectors do not)
 
 
 class TeiEmbedSparseRequest(msgspec.Struct, frozen=True):
@@ -339,6 +346,8 @@ class SimilarityParameters(msgspec.Struct, frozen=True):
     truncate: bool | None = None
     truncation_direction: str = "right"
     prompt_name: str | None = None
+    long_input: str | None = None  # ours: truncate, chunk or error (wins over truncate)
+    chunk_overlap: int | None = None
 
 
 class SimilarityRequest(msgspec.Struct, frozen=True):

@@ -39,6 +39,7 @@ def parse_model_spec(text: str) -> ModelSpec:
 
 
 TASKS = ("embed", "classify", "rerank", "sparse")
+LONG_INPUTS = ("truncate", "chunk", "error")  # --long-input, and a request's long_input
 ALLOCATORS = ("auto", "jemalloc", "glibc", "system")  # --allocator; see service/allocator.py
 
 
@@ -353,8 +354,31 @@ class Settings:
     )
     truncate: bool = _knob(
         "Truncate inputs longer than the model's maximum (the default, like OpenAI clients expect). "
-        "--no-truncate answers 400 naming the input instead.",
+        "--no-truncate answers 400 naming the input instead (the same as --long-input error).",
         default=True,
+    )
+    long_input: str | None = _knob(
+        "What an embedding route does with an input longer than the model, unless the request says "
+        "(long_input; or TEI's and Cohere's own truncate field): truncate (embed its beginning only: "
+        "cheap, but the rest of the text is silently left out), chunk (split it into windows that fill "
+        "the model, prompt and special tokens included, embed each as one more input of the request, "
+        "and answer the token-weighted mean of the windows' pooled vectors, normalised if the model "
+        "normalises: the whole text counts, at the cost of one forward row per window; for CLS or "
+        "last-token pooling the same weighted mean of window vectors), or error (400 naming the "
+        "input). Default: truncate, or error with --no-truncate.",
+        default=None,
+    )
+    chunk_overlap: int = _knob(
+        "Tokens each window of a chunked input repeats from the end of the one before (a request's "
+        "chunk_overlap wins), so a sentence cut at a window's edge is read whole in one of them; costs "
+        "that many more tokens per window. Must leave each window room for new text.",
+        default=0,
+    )
+    max_input_tokens: int = _knob(
+        "Most tokens of one chunked input (the text's own, prompt and special tokens not counted); a "
+        "longer one is refused (400; TEI's routes 413) rather than queued. Bounds the work one input can "
+        "ask for: 32,768 tokens of a 256-token model are 129 windows.",
+        default=32768,
     )
     pipeline_depth: int = _knob(
         "Batches handed to the model thread at once: 2 prepares the next batch while one runs (worth "
@@ -428,6 +452,12 @@ class Settings:
     )
     log_level: str = _knob("Log level: debug logs one line per request and per batch.", default="info")
     log_format: str = _knob("Log format: json (for collectors) or console (for people).", default="json")
+
+    @property
+    def default_long_input(self) -> str:
+        """What a request that does not say gets for an input longer than the model (``--long-input``;
+        without it, truncate, or error under ``--no-truncate``)."""
+        return self.long_input or ("truncate" if self.truncate else "error")
 
     @property
     def model_specs(self) -> tuple[ModelSpec, ...]:
@@ -620,5 +650,11 @@ def _validate(s: Settings) -> None:
                         "otherwise")
     if s.max_rerank_tokens is not None and s.max_rerank_tokens < 1:
         problems.append("max_rerank_tokens must be at least 1")
+    if s.long_input is not None and s.long_input not in LONG_INPUTS:
+        problems.append("long_input must be truncate, chunk or error")
+    elif not s.truncate and s.long_input not in (None, "error"):
+        problems.append(f"--no-truncate contradicts --long-input {s.long_input}: give one of them")
+    if s.chunk_overlap < 0 or s.max_input_tokens < 1:
+        problems.append("chunk_overlap must be >= 0 and max_input_tokens at least 1")
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import numpy as np
-from coalesce.kernels.protocol import OutputKind, marks
+from coalesce.kernels.protocol import OutputKind, is_raw, marks
 
 from .. import tracing
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
@@ -143,9 +143,9 @@ _KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
 
 
 def input_key(ids: Sequence[int], kind: OutputKind = OutputKind.POOLED) -> bytes:
-    """What decides an input's rows: the output asked for, its token ids, and where a pair's segment B
-    or pooling starts."""
-    return array("i", (_KINDS[kind], *marks(ids), *ids)).tobytes()
+    """What decides an input's rows: the output asked for, its token ids, where a pair's segment B
+    or pooling starts, and whether its row is normalised."""
+    return array("i", (_KINDS[kind], *marks(ids), is_raw(ids), *ids)).tobytes()
 
 
 class Batcher:

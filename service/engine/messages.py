@@ -5,8 +5,9 @@ directory). A message is a multipart ZeroMQ message: frame 0 is one of the msgsp
 msgpack-encoded; arrays follow as raw frames, never inside the encoding:
 
 * ``Submit`` carries one int32 frame per request: the sequences' lengths, then (for marked sequences:
-  text pairs, prompts left out of pooling) where each one's second segment and its pooling start, then
-  every token id, concatenated;
+  text pairs, prompts left out of pooling, windows of long inputs) where each one's second segment and
+  its pooling start, and whether its row comes back unnormalised (1) or not (0), then every token id,
+  concatenated;
 * ``Results`` carries one float32 frame per finished request: its rows, ``n × dim``, in input order
   (one row per sequence, or for a ``tokens`` job one per token, which the gateway splits by the
   lengths it sent).
@@ -28,7 +29,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from coalesce.kernels.protocol import MarkedIds, ModelInfo, marks
+from coalesce.kernels.protocol import MarkedIds, ModelInfo, is_raw, marks
 from coalesce.kernels.tokens import TokenizerSpec
 
 from .. import errors
@@ -66,7 +67,7 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
     id: int
     model: int
     n: int
-    marked: bool  # the frame holds each sequence's b_start and pool_start (``MarkedIds``)
+    marked: bool  # the frame holds each sequence's b_start, pool_start and raw (``MarkedIds``)
     tenant: str
     weight: float
     priority: int
@@ -152,7 +153,7 @@ def pack_job(seqs: Sequence[Sequence[int]]) -> tuple[bool, bytes]:
     head = lengths
     if marked:
         pairs = [marks(s) for s in seqs]
-        head = lengths + [b for b, _ in pairs] + [p for _, p in pairs]
+        head = lengths + [b for b, _ in pairs] + [p for _, p in pairs] + [int(is_raw(s)) for s in seqs]
     flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=sum(lengths))
     return marked, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
 
@@ -161,7 +162,7 @@ def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:
     """The sequences of ``job`` from its frame, checked against ``info`` (sizes, lengths, ids)."""
     data = np.frombuffer(frame, dtype=np.int32)
     n = job.n
-    head = n * (3 if job.marked else 1)
+    head = n * (4 if job.marked else 1)
     if n < 1 or data.size < head:
         raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {data.size} ids")
     # Most jobs are a query of a few dozen ids: Python's min and max over a list are several times
@@ -179,13 +180,13 @@ def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:
     starts = [0, *ends[:-1]]
     if not job.marked:
         return [flat[a:b] for a, b in zip(starts, ends, strict=True)]
-    b_starts, pool_starts = values[n : 2 * n], values[2 * n : head]
-    marks_ = zip(b_starts, pool_starts, lengths, strict=True)
-    if any(k >= length or not 0 <= p < length for k, p, length in marks_):
+    b_starts, pool_starts, raws = values[n : 2 * n], values[2 * n : 3 * n], values[3 * n : head]
+    marks_ = zip(b_starts, pool_starts, raws, lengths, strict=True)
+    if any(k >= length or not 0 <= p < length or r not in (0, 1) for k, p, r, length in marks_):
         raise ProtocolError(f"job {job.id}: a mark is outside its sequence")
     return [
-        MarkedIds(flat[a:b], b_start=k, pool_start=p)
-        for a, b, k, p in zip(starts, ends, b_starts, pool_starts, strict=True)
+        MarkedIds(flat[a:b], b_start=k, pool_start=p, raw=bool(r))
+        for a, b, k, p, r in zip(starts, ends, b_starts, pool_starts, raws, strict=True)
     ]
 
 

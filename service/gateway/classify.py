@@ -32,6 +32,7 @@ from .models import pick_model
 from .responses import activate, ranked, respond
 from .routing import add_route
 from .state import SETTINGS
+from .windows import LongInput
 
 # Cosine similarities of one input to its labels sit close together (say 0.1..0.6); the softmax scale
 # sentence-transformers trains with (MultipleNegativesRankingLoss, 20) spreads them into a usable
@@ -92,7 +93,8 @@ async def classify(request: web.Request) -> web.Response:
                 code="missing_labels",
             )
         labels = _check_labels(req.labels, settings.max_inputs)
-        seqs = await encode_inputs(request, model, adm, req.input)
+        seqs = (await encode_inputs(request, model, adm, req.input, how=_cut_or_refuse(request),
+                                     hint=_HINT)).seqs
         return await _zero_shot(request, model, adm, seqs, labels, req.raw_scores)
     if req.labels is not None:
         raise InvalidRequest(
@@ -102,7 +104,8 @@ async def classify(request: web.Request) -> web.Response:
             param="labels",
             code="unexpected_labels",
         )
-    seqs = await encode_inputs(request, model, adm, req.input)
+    seqs = (await encode_inputs(request, model, adm, req.input, how=_cut_or_refuse(request),
+                                     hint=_HINT)).seqs
     result = await model.infer(seqs, adm)
     scores = result.rows if req.raw_scores else activate(result.rows, model.info.activation)
     tokens = sum(len(s) for s in seqs)
@@ -112,6 +115,15 @@ async def classify(request: web.Request) -> web.Response:
         usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
     )
     return respond(body, result, tokens)
+
+
+_HINT = "run the server without --no-truncate"
+
+
+def _cut_or_refuse(request: web.Request) -> LongInput:
+    """Classification truncates (or, under --no-truncate, refuses) a long input: a label's score is
+    not a mean over windows, so --long-input chunk is for embedding routes only."""
+    return LongInput("truncate" if truncating(request, None) else "error")
 
 
 async def _zero_shot(

@@ -86,12 +86,13 @@ MODEL: tuple[CoalesceError, ...] = (
     _invalid("no_model_for_task"),
     Unavailable("loading", retry_after=1, code="loading"),
 )
-#: The inputs: empty, too many, too long without truncation, a value out of range (dimensions,
-#: top_n, ...), a prompt name the model lacks.
+#: The inputs: empty, too many, too long without truncation, a chunked one past --max-input-tokens, a
+#: value out of range (dimensions, top_n, ...), a prompt name the model lacks.
 INPUTS: tuple[CoalesceError, ...] = (
     _invalid("empty_input"),
     _invalid("too_many_inputs"),
     _invalid("input_too_long"),
+    _invalid("input_too_large"),
     _invalid("invalid_value"),
     _invalid("invalid_dimensions"),
     _invalid("unknown_prompt"),

@@ -6,8 +6,10 @@ response_type: "embeddings_by_type"}``, one list per requested type (``float``, 
 ``binary``, ``ubinary``, ``base64``; see ``quantize``), every one from the same rows. ``input_type``
 picks the model's prompt by name (``search_query`` → ``query``, ``search_document`` → ``document`` or
 ``passage``, ...); ``truncate`` ``END`` (default) cuts a long text's end, ``START`` its start, ``NONE``
-refuses it; ``output_dimension`` truncates and re-normalises, as ``dimensions`` does on the OpenAI
-route. Errors speak Cohere's ``{"message"}``.
+refuses it; our ``long_input`` (``chunk``: see ``windows``) wins over it, and ``--long-input``, when
+set, is the default in its place; ``max_tokens`` bounds each window of a chunked text;
+``output_dimension`` truncates and re-normalises, as ``dimensions`` does on the OpenAI route. Errors
+speak Cohere's ``{"message"}``.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from ..schemas import (
 )
 from .admission import admission
 from .contract import MODEL_ROUTE, Doc
-from .inputs import check_dimensions, checked_items, encode_texts
+from .inputs import check_dimensions, checked_items
 from .models import pick_model
 from .quantize import CALIBRATED, EMBEDDING_TYPES, base64_rows, quantize
 from .responses import float_json, respond
 from .routing import add_route
 from .state import SETTINGS
+from .windows import LongInput, encode_long, long_input
 
 _TRUNCATE = ("NONE", "START", "END")
 
@@ -67,6 +70,15 @@ def _unit_rows(rows: np.ndarray, dim: int | None) -> np.ndarray:
     return out
 
 
+def _long_input(request: web.Request, req: EmbedV2Request) -> LongInput:
+    """``long_input`` wins; then Cohere's ``truncate`` (NONE: error, START or END: truncate); without
+    either, ``--long-input`` when the server sets it, else END (Cohere's default) as before."""
+    if req.long_input is None and req.truncate is None and request.app[SETTINGS].long_input is None:
+        return long_input(request, "truncate", overlap=req.chunk_overlap)
+    given = None if req.truncate is None else req.truncate.upper() != "NONE"
+    return long_input(request, req.long_input, given, req.chunk_overlap)
+
+
 async def embed_v2(request: web.Request) -> web.Response:
     """``POST /v2/embed``."""
     adm = admission(request)
@@ -92,12 +104,13 @@ async def embed_v2(request: web.Request) -> web.Response:
         raise InvalidRequest(f"Model '{model.info.name}' has no calibration for int8/uint8 output.",
                              param="embedding_types", code="unsupported")
     prompt = model.prompts.for_input_type(model.info.name, req.input_type)
-    seqs = await encode_texts(
-        model, adm, texts, cut=truncate != "NONE", left=truncate == "START", field="texts",
+    how = _long_input(request, req)
+    fitted = await encode_long(
+        model, adm, texts, how, left=truncate == "START", field="texts",
         hint='send "truncate": "END"', prompt=prompt, limit=req.max_tokens,
     )
-    result = await model.infer(seqs, adm)
-    rows = _unit_rows(result.rows, req.output_dimension)
+    result = await model.infer(fitted.seqs, adm)
+    rows = _unit_rows(fitted.rows(result.rows), req.output_dimension)
     out: dict[str, object] = {}
     for kind in types:
         if kind == "float":
@@ -106,7 +119,7 @@ async def embed_v2(request: web.Request) -> web.Response:
             out["base64"] = base64_rows(rows)
         else:
             out[kind] = quantize(rows, kind, ranges).tolist()
-    tokens = sum(len(s) for s in seqs)
+    tokens = fitted.tokens
     body = EmbedV2Response(
         id=uuid.uuid4().hex,
         embeddings=EmbeddingsByType(**out),  # type: ignore[arg-type]

@@ -18,17 +18,15 @@ from .inputs import (
     ModelDefault,
     check_dimensions,
     check_ids,
-    encode_texts,
-    fit_sequences,
     parse_inputs,
-    truncating,
 )
 from .models import pick_model
 from .responses import float_json, respond
 from .state import SETTINGS
+from .windows import Fitted, LongInput, encode_long, fit_long, long_input
 
-# The OpenAI route has no per-request truncate field: the server's --truncate decides.
-_HINT = "run the server without --no-truncate"
+# The OpenAI route has no truncate field of its own: long_input, else the server's --long-input.
+_HINT = 'send "long_input": "truncate" or "chunk"'
 
 
 async def encode_inputs(
@@ -37,21 +35,23 @@ async def encode_inputs(
     adm: Admission,
     raw: str | list[str | int | list[int]],
     prompt: str | ModelDefault | None = MODEL_DEFAULT,
-) -> list[list[int]]:
+    how: LongInput | None = None,
+    hint: str = _HINT,
+) -> Fitted:
     """Complete id sequences for OpenAI's ``input`` (texts, or token arrays checked against the
-    model's vocabulary) behind ``prompt`` (a token array gets the prompt's tokens in front),
-    truncated or rejected per ``--truncate``."""
+    model's vocabulary) behind ``prompt`` (a token array gets the prompt's tokens in front), a long
+    one truncated, chunked or rejected per ``how`` (default: ``--long-input``)."""
     texts, arrays = parse_inputs(raw, request.app[SETTINGS].max_inputs)
-    cut = truncating(request, None)
+    how = how or long_input(request, None)
     if texts:
-        return await encode_texts(model, adm, texts, cut=cut, field="input", hint=_HINT, prompt=prompt)
+        return await encode_long(model, adm, texts, how, field="input", hint=hint, prompt=prompt)
     for i, arr in enumerate(arrays):
         check_ids(arr, model.info.vocab_size, i)
     model.check_room(adm, len(arrays[0]), sum(map(len, arrays)), len(arrays))
     text = model.prompts.default if isinstance(prompt, ModelDefault) else prompt
     head = model.tokens.tokenize([text])[0] if text else []
-    return fit_sequences(model, [[*head, *arr] for arr in arrays], cut=cut, field="input", hint=_HINT,
-                         prompt_len=len(head))
+    return fit_long(model, [[*head, *arr] for arr in arrays], how, field="input", hint=hint,
+                    prompt_len=len(head))
 
 
 def vector(row: np.ndarray, dimensions: int | None) -> np.ndarray:
@@ -76,13 +76,14 @@ async def create_embeddings(request: web.Request) -> web.Response:
     model = pick_model(request, req.model, (Task.EMBED,), "/v1/embeddings", required=True)
     check_dimensions(req.dimensions, model.info)
     prompt = model.prompts.pick(model.info.name, req.prompt_name)
-    seqs = await encode_inputs(request, model, adm, req.input, prompt)
-    result = await model.infer(seqs, adm)
+    how = long_input(request, req.long_input, overlap=req.chunk_overlap)
+    fitted = await encode_inputs(request, model, adm, req.input, prompt, how)
+    result = await model.infer(fitted.seqs, adm)
     data = [
         EmbeddingData(index=i, embedding=encode_vector(vector(row, req.dimensions), req.encoding_format))
-        for i, row in enumerate(result.rows)
+        for i, row in enumerate(fitted.rows(result.rows))
     ]
-    tokens = sum(len(s) for s in seqs)
+    tokens = fitted.tokens
     body = EmbeddingResponse(
         data=data, model=model.info.name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens)
     )

@@ -36,18 +36,12 @@ from . import classify, rerank
 from .admission import admission
 from .contract import MODEL_ROUTE, Doc
 from .embeddings import vector
-from .inputs import (
-    check_dimensions,
-    checked_items,
-    encode_texts,
-    fit_sequences,
-    tokenize_texts,
-    truncating,
-)
+from .inputs import check_dimensions, checked_items, encode_texts, tokenize_texts
 from .models import pick_model
 from .responses import float_json, respond
 from .routing import add_route
 from .state import SETTINGS
+from .windows import encode_long, fit_long, long_input
 
 _ALL_TASKS = tuple(Task)
 
@@ -65,7 +59,8 @@ def keeps_end(direction: str, field: str = "truncation_direction") -> bool:
 
 async def embed(request: web.Request) -> web.Response:
     """``POST /embed``: ``{inputs, normalize, truncate, truncation_direction, dimensions}`` →
-    ``[[float]]``."""
+    ``[[float]]``; ours: ``long_input`` (wins over ``truncate``) and ``chunk_overlap`` (see
+    ``windows``)."""
     adm = admission(request)
     req = decode(await request.read(), TeiEmbedRequest)
     model = pick_model(request, req.model, (Task.EMBED,), "/embed")
@@ -73,11 +68,11 @@ async def embed(request: web.Request) -> web.Response:
     left = keeps_end(req.truncation_direction)
     check_dimensions(req.dimensions, model.info)
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
-    cut = truncating(request, req.truncate)
-    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left, prompt=prompt)
-    result = await model.infer(seqs, adm)
+    how = long_input(request, req.long_input, req.truncate, req.chunk_overlap)
+    fitted = await encode_long(model, adm, texts, how, field="inputs", left=left, prompt=prompt)
+    result = await model.infer(fitted.seqs, adm)
     rows = []
-    for row in result.rows:
+    for row in fitted.rows(result.rows):
         if req.normalize:
             if not model.info.normalized:
                 norm = float(np.linalg.norm(row))
@@ -86,7 +81,7 @@ async def embed(request: web.Request) -> web.Response:
         elif req.dimensions is not None:
             row = row[: req.dimensions]
         rows.append(row)
-    return respond(float_json(np.stack(rows)), result, sum(len(s) for s in seqs))
+    return respond(float_json(np.stack(rows)), result, fitted.tokens)
 
 
 async def embed_all(request: web.Request) -> web.Response:
@@ -104,8 +99,17 @@ async def embed_all(request: web.Request) -> web.Response:
             f"Model '{model.info.name}' does not return token embeddings.", param="model", code="unsupported"
         )
     texts = checked_items(req.inputs, "inputs", request.app[SETTINGS].max_inputs)
-    cut = truncating(request, req.truncate)
-    seqs = await encode_texts(model, adm, texts, cut=cut, field="inputs", left=left, prompt=prompt)
+    how = long_input(request, req.long_input, req.truncate)
+    if how.mode == "chunk" and req.long_input is not None:
+        raise InvalidRequest(
+            "/embed_all returns every token's vector, which windows of a long input cannot pool into: "
+            "send long_input truncate or error (or use /embed, which chunks).",
+            param="long_input",
+            code="unsupported",
+        )
+    # Under --long-input chunk, an input too long for the model is refused by name, never cut silently.
+    seqs = await encode_texts(model, adm, texts, cut=how.mode == "truncate", field="inputs", left=left,
+                              prompt=prompt)
     result = await model.infer(seqs, adm, OutputKind.TOKENS)
     out = []
     at = 0
@@ -131,14 +135,17 @@ async def similarity(request: web.Request) -> web.Response:
         )
     sentences = checked_items(req.inputs.sentences, "inputs.sentences", request.app[SETTINGS].max_inputs)
     raw, prompt_len = await tokenize_texts(model, adm, [source, *sentences], prompt)
-    cut = truncating(request, params.truncate)
-    fit = partial(fit_sequences, model, cut=cut, left=left, prompt_len=prompt_len)
-    seqs = fit(raw[:1], field="inputs.source_sentence") + fit(raw[1:], field="inputs.sentences")
-    result = await model.infer(seqs, adm)
-    rows = result.rows.astype(np.float64)
+    how = long_input(request, params.long_input, params.truncate, params.chunk_overlap,
+                     field="parameters.long_input", overlap_field="parameters.chunk_overlap")
+    fit = partial(fit_long, model, how=how, left=left, prompt_len=prompt_len)
+    first, rest = fit(raw[:1], field="inputs.source_sentence"), fit(raw[1:], field="inputs.sentences")
+    result = await model.infer(first.seqs + rest.seqs, adm)
+    split = len(first.seqs)
+    rows = np.concatenate([first.rows(result.rows[:split]), rest.rows(result.rows[split:])])
+    rows = rows.astype(np.float64)
     norms = np.linalg.norm(rows, axis=1)
     unit = rows / np.where(norms > 0, norms, 1.0)[:, None]
-    return respond((unit[1:] @ unit[0]).tolist(), result, sum(len(s) for s in seqs))
+    return respond((unit[1:] @ unit[0]).tolist(), result, first.tokens + rest.tokens)
 
 
 class _RootShape(msgspec.Struct):

@@ -24,9 +24,11 @@ import aiohttp
 import numpy as np
 import pytest
 from coalesce.loadtests import procs
+from coalesce.loadtests.bench_longinput import long_texts
 
 from ..conftest import REPO, metric, metrics_text, roles, wait_all_gateways, wait_ready
 from ..fakes import FileGate
+from .test_long_input import by_hand
 
 MODEL = "all-MiniLM-L6-v2"
 # The real tokenizer, 200 ms a batch; backlogs are the point here, so the queue-wait bound is off.
@@ -106,6 +108,8 @@ async def test_tei_token_similarity_and_decode_routes_through_the_engine(replica
     texts = [f"token route sentence number {i}" + " more" * i for i in range(8)]
     want_tokens = st_model.encode(texts, output_value="token_embeddings", convert_to_numpy=False)
     want = st_model.encode(texts, normalize_embeddings=True)
+    count = lambda t: len(st_model.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    long_text = long_texts(1, 700, count)[0]
     gateways: set[str] = set()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
 
@@ -125,6 +129,8 @@ async def test_tei_token_similarity_and_decode_routes_through_the_engine(replica
         similarity = await post("/similarity", {"inputs": pair})
         ids = st_model.tokenizer(texts[3])["input_ids"]
         decoded = await post("/decode", {"ids": ids})
+        # A long input's windows cross to the engine marked to come back unnormalised.
+        chunked = await post("/v1/embeddings", {"model": MODEL, "input": long_text, "long_input": "chunk"})
         async with s.get(r.url + "/info") as resp:
             info = await resp.json()
     assert len(gateways) == 2, "both gateways must have served"
@@ -137,6 +143,9 @@ async def test_tei_token_similarity_and_decode_routes_through_the_engine(replica
         assert float(np.asarray(got[0]) @ w) >= 0.99999
     assert similarity == pytest.approx([float(want[0] @ w) for w in want[1:]], abs=1e-5)
     assert decoded == [texts[3]]
+    long_want, long_tokens = by_hand(st_model, long_text)
+    assert float(np.dot(chunked["data"][0]["embedding"], long_want)) >= 0.99999
+    assert chunked["usage"]["prompt_tokens"] == long_tokens
     assert info["tokenization_workers"] == 4 and info["model_dtype"] == "float32"
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from coalesce.kernels.protocol import ModelInfo, OutputKind, Task
+from coalesce.kernels.protocol import ModelInfo, OutputKind, Task, WindowIds, is_raw
 from coalesce.kernels.worker import DeviceThread, ModelWorker
 from coalesce.service.batching import batcher as batcher_module
 from coalesce.service.batching.batcher import Batcher
@@ -304,5 +304,39 @@ async def test_a_standing_queue_refuses_at_the_door_and_answers_late_inputs_not_
         assert rig.sample("coalesce_rejected_total", reason="overloaded") == 1
         hints = sorted(o.retry_after for o in outcomes if isinstance(o, Overloaded))
         assert hints[0] < hints[1] < hints[2]  # told to come back one after the other
+    finally:
+        await rig.aclose()
+
+
+class _WindowRecorder(FakeRunner):
+    """Records which batches held windows beside other inputs; a window's row comes back raw (×3)."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_seconds=0.02)
+        self.mixed = 0
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> list[list[int]]:
+        raw = [is_raw(s) for s in batch]
+        self.mixed += any(raw) and not all(raw)
+        return list(batch)  # type: ignore[arg-type]  (marks kept for finish)
+
+    def finish(self, output: list[list[int]], prepared: list[list[int]]) -> np.ndarray:
+        return np.stack([self.vector(s) * (3.0 if is_raw(s) else 1.0) for s in output])
+
+
+async def test_windows_of_a_long_input_share_batches_with_other_callers() -> None:
+    rig = Rig(_WindowRecorder())
+    try:
+        windows = [WindowIds(seq) for seq in rig.seqs(*(f"window {i} of the long text" for i in range(12)))]
+        queries = [f"query {i}" for i in range(12)]
+        same = list(windows[0])  # the same ids as a window, unmarked: a row of its own, normalised
+        long_result, plain, *answers = await asyncio.gather(
+            rig.batcher.submit(windows), rig.batcher.submit([same]), *(rig.embed(q) for q in queries)
+        )
+        assert rig.runner.mixed > 0, "windows must ride in batches with other requests' inputs"
+        np.testing.assert_allclose(long_result.rows[0], 3.0 * rig.runner.vector(same), rtol=1e-6)
+        np.testing.assert_allclose(plain.rows[0], rig.runner.vector(same), rtol=1e-6)
+        for q, (row,) in zip(queries, answers, strict=True):
+            np.testing.assert_allclose(row, rig.runner.expected(q), rtol=1e-6)
     finally:
         await rig.aclose()

@@ -122,6 +122,8 @@ def test_requests_split_to_the_servers_cap_and_default_to_its_first_model_of_the
         b["model"] == "emb" and b["encoding_format"] == "base64" and b["dimensions"] == 16 for b in bodies
     )
     assert w.embed_requests([], "m", None) == [{"model": "m", "input": [], "encoding_format": "base64"}]
+    chunked = w.embed_requests(["a", "b", "c"], None, None, "chunk", 8)  # every part says so
+    assert [(b["long_input"], b["chunk_overlap"]) for b in chunked] == [("chunk", 8), ("chunk", 8)]
     assert [a for a, _ in w.rerank_requests("q", ["x", "y", "z"], "rr")] == [0, 2]
     assert w.classify_requests("one", None, ["l1"], True) == [
         {"input": ["one"], "raw_scores": True, "labels": ["l1"]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from coalesce.kernels.protocol import MarkedIds, ModelInfo, PairIds, PromptIds, Task, marks
+from coalesce.kernels.protocol import MarkedIds, ModelInfo, PairIds, PromptIds, Task, WindowIds, is_raw, marks
 from coalesce.service.engine import messages as wire
 from coalesce.service.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
 
@@ -22,11 +22,13 @@ def test_sequences_and_their_marks_round_trip() -> None:
     assert not marked
     assert wire.unpack_job(_job(2, marked), frame, INFO) == plain
 
-    mixed = [PairIds([1, 5, 2, 6, 2], 3), PromptIds([1, 9, 9, 4, 2], 3), [1, 8, 2]]
+    mixed = [PairIds([1, 5, 2, 6, 2], 3), PromptIds([1, 9, 9, 4, 2], 3), [1, 8, 2],
+             WindowIds([1, 7, 7, 2], 1)]
     marked, frame = wire.pack_job(mixed)
-    got = wire.unpack_job(_job(3, marked), frame, INFO)
+    got = wire.unpack_job(_job(4, marked), frame, INFO)
     assert marked and [list(s) for s in got] == [list(s) for s in mixed]
-    assert [marks(s) for s in got] == [(3, 0), (-1, 3), (-1, 0)]
+    assert [marks(s) for s in got] == [(3, 0), (-1, 3), (-1, 0), (-1, 1)]
+    assert [is_raw(s) for s in got] == [False, False, False, True]  # a window's row comes back unnormalised
     assert all(isinstance(s, MarkedIds) for s in got)
 
 
@@ -56,10 +58,16 @@ def test_a_large_job_is_checked_as_closely_as_a_small_one(bad: int) -> None:
         wire.unpack_job(_job(100, marked), frame, INFO)
 
 
-def test_a_mark_outside_its_sequence_is_refused() -> None:
-    frame = np.array([2, -1, 5, 1, 2], dtype=np.int32)  # pool_start 5 in a 2-token sequence
+@pytest.mark.parametrize(
+    "frame",
+    [
+        [2, -1, 5, 0, 1, 2],  # pool_start 5 in a 2-token sequence
+        [2, -1, 0, 2, 1, 2],  # raw is 0 or 1
+    ],
+)
+def test_a_mark_outside_its_sequence_is_refused(frame: list[int]) -> None:
     with pytest.raises(wire.ProtocolError, match="mark is outside"):
-        wire.unpack_job(_job(1, True), frame.tobytes(), INFO)
+        wire.unpack_job(_job(1, True), np.array(frame, dtype=np.int32).tobytes(), INFO)
 
 
 @pytest.mark.parametrize(
