@@ -126,10 +126,9 @@ def guard_bf16(model: Any, embed: Callable[[Any], np.ndarray], *, what: str) -> 
     ``embed(m)`` returns float rows of a fixed set of inputs (a few calibration sentences) through
     ``m``; the bfloat16 copy is made from the float32 weights, which are dropped when it passes.
     """
-    import torch
 
     want = embed(model)
-    candidate = copy.deepcopy(model).to(torch.bfloat16)
+    candidate = _bf16_copy(model)
     got = embed(candidate)
     cosine = min_cosine(got, want)
     if not np.isfinite(cosine) or cosine < BF16_MIN_COSINE:
@@ -141,6 +140,19 @@ def guard_bf16(model: Any, embed: Callable[[Any], np.ndarray], *, what: str) -> 
     log.info("model %s runs bfloat16 on the CPU (native: %s); calibration rows' cosine to float32 is "
              "at least %.6f", what, native_bf16() or "no, forced", cosine)
     return candidate
+
+
+def _bf16_copy(model: Any) -> Any:
+    """A copy of ``model`` whose floating-point parameters and buffers are bfloat16, made tensor by
+    tensor (no second float32 copy of the weights on the way)."""
+    import torch
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.to(torch.bfloat16) if b.is_floating_point() else b.clone()
+    return copy.deepcopy(model, memo).to(torch.bfloat16)
 
 
 def guard_sentences() -> list[str]:

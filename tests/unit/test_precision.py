@@ -133,3 +133,16 @@ def test_min_cosine() -> None:
     assert precision.min_cosine(a, a) == pytest.approx(1.0)
     assert precision.min_cosine(a, np.array([[0.0, 1.0], [0.0, 0.0]])) == pytest.approx(0.0)
     assert precision.min_cosine(np.array([[0.0, 0.0]]), np.array([[1.0, 0.0]])) == 0.0
+
+
+def test_the_bfloat16_copy_keeps_integer_buffers_and_leaves_the_original_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _native(monkeypatch, "amx_bf16")
+    model = _Linear()
+    model.register_buffer("positions", torch.arange(4))
+    model.register_buffer("bias_table", torch.linspace(0, 1, 4))
+    placed = precision.to_precision(model, "auto", CPU, _rows, what="linear")
+    assert placed.positions.dtype == torch.int64 and placed.bias_table.dtype == torch.bfloat16
+    assert model.bias_table.dtype == torch.float32 and model.layer.weight.dtype == torch.float32
+    assert placed.layer.weight.data_ptr() != model.layer.weight.data_ptr()
