@@ -91,8 +91,14 @@ def resolve_dtype(dtype: str, device: torch.device, *, cpu_auto_bf16: bool = Tru
     if device.type == "cuda":
         return torch.float16 if dtype == "auto" else getattr(torch, DTYPES[dtype])
     if dtype == "auto":
-        flag = native_bf16() if cpu_auto_bf16 else None
-        return torch.bfloat16 if flag is not None else torch.float32
+        if not cpu_auto_bf16:
+            return torch.float32
+        flag = native_bf16()
+        if flag is None:
+            log.info("dtype auto: this CPU has no native bfloat16 (none of %s in /proc/cpuinfo); "
+                     "running float32", ", ".join(BF16_FLAGS))
+            return torch.float32
+        return torch.bfloat16
     chosen: torch.dtype = getattr(torch, DTYPES[dtype])
     if chosen == torch.float16:
         log.info("dtype %s is for CUDA; running float32 on %s", dtype, device)

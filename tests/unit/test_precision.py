@@ -30,12 +30,16 @@ def _native(monkeypatch: pytest.MonkeyPatch, flag: str | None) -> None:
     monkeypatch.setattr(precision, "native_bf16", lambda: flag)
 
 
-def test_auto_runs_bfloat16_on_a_cpu_that_has_it_else_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_runs_bfloat16_on_a_cpu_that_has_it_else_float32(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     _native(monkeypatch, "amx_bf16")
     assert precision.resolve_dtype("auto", CPU) == torch.bfloat16
     assert precision.resolve_dtype("auto", CPU, cpu_auto_bf16=False) == torch.float32  # LLM rerankers
     _native(monkeypatch, None)
-    assert precision.resolve_dtype("auto", CPU) == torch.float32
+    with caplog.at_level(logging.INFO, logger="coalesce.kernels"):
+        assert precision.resolve_dtype("auto", CPU) == torch.float32
+    assert "no native bfloat16" in caplog.text
 
 
 def test_forced_dtypes_on_the_cpu(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
