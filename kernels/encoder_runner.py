@@ -7,8 +7,8 @@ Eager batches keep to bucket shapes on CUDA because the attention torch picks th
 precision (cuDNN's, on sm90) builds a plan per distinct shape: tens of milliseconds of host time each,
 cached without bound, so exact shapes would pay it again and again. Rows past the batch are fully
 padded (length 0: the forward keeps them finite) and dropped. On CPU the forward runs at the batch's
-own shape (n × longest), where padding is only wasted work. Half precision (``float16``/``bfloat16``)
-is for CUDA; CPU always runs float32.
+own shape (n × longest), where padding is only wasted work. float16 is for CUDA; the CPU runs bfloat16
+where it has it natively and the model passes the warm-up guard, float32 otherwise (``precision``).
 
 Output is the model's full width (or its fixed ``truncate_dim``), L2-normalised when the model's
 pipeline normalises: per-request ``dimensions`` stay with the gateway, which truncates and
@@ -37,41 +37,13 @@ import torch.nn.functional as F
 from .bert import GraphSafeBert, PoolingMode, unsupported_reason
 from .buckets import BucketGrid, Cell, GraphOptions, pad_to_shape
 from .graphs import CaptureStats, CudaGraphs
+from .precision import dtype_name, guard_sentences, to_precision
 from .protocol import ModelInfo, Task, is_raw
 from .st_config import prompt_fields
 from .st_runner import model_name_from_path, resolve_device
 from .tokens import TokenizerAdapter
 
 log = logging.getLogger("coalesce.kernels")
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` → float16 on CUDA, float32 on CPU. CPU runs float32 whatever is asked (with a log line)."""
-    if dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
-    chosen = _DTYPES[dtype]
-    if device.type != "cuda" and chosen != torch.float32:
-        log.info("dtype %s is for CUDA; running float32 on %s", dtype, device)
-        return torch.float32
-    return chosen
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``float32``, ``float16``, ``bfloat16``: how ``/info`` names the precision a forward runs in."""
-    return str(dtype).removeprefix("torch.")
-
 
 @dataclass(frozen=True, slots=True)
 class EncoderBatch:
@@ -258,12 +230,27 @@ def build_encoder_runner(
     dev = torch.device(resolve_device(device))
     model = GraphSafeBert.from_hf(
         transformer.auto_model, pooling=pooling, normalize=normalize, truncate_dim=truncate_dim
-    ).to(device=dev, dtype=resolve_dtype(dtype, dev))
+    )
     max_tokens = min(int(st.max_seq_length or st.tokenizer.model_max_length), model.max_positions)
     tokens = TokenizerAdapter(st.tokenizer, max_tokens)
+    model = place_model(model, tokens, dtype, dev, what=model_path)
     return make_encoder_runner(
         model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs
     )
+
+
+def place_model(
+    model: GraphSafeBert, tokens: TokenizerAdapter, dtype: str, device: torch.device, *, what: str
+) -> GraphSafeBert:
+    """``model`` (float32 on the CPU, as loaded) on ``device`` in the precision ``--dtype`` resolves to;
+    on the CPU, bfloat16 only when the calibration rows it embeds stay within the guard's cosine."""
+
+    def embed(m: GraphSafeBert) -> np.ndarray:
+        seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(guard_sentences())]
+        ids, lengths = pad_to_shape(seqs, len(seqs), max(map(len, seqs)), tokens.pad_id)
+        return m(torch.from_numpy(ids), torch.from_numpy(lengths)).float().numpy()
+
+    return to_precision(model, dtype, device, embed, what=what)
 
 
 def make_encoder_runner(

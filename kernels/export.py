@@ -169,7 +169,8 @@ def export_model(
                         f"{checks['int8_cosine_min']:.4f} < {INT8_MIN_COSINE}); export it in fp32"
                     )
             stored = _calibrate(staging) if chosen is Task.EMBED else ""
-            manifest = replace(source.manifest, quantize=quantize, checks=checks, calibration=stored)
+            manifest = replace(source.manifest, quantize=quantize, checks=checks, calibration=stored,
+                               int8_scale=calibration.stored_int8_scale(staging))
             manifest.write(staging)
             _move_into(staging, out)
     return manifest

@@ -30,7 +30,7 @@ import torch
 
 from .bert import GraphSafeBert, PoolingMode, config_unsupported_reason
 from .buckets import GraphOptions
-from .encoder_runner import EncoderRunner, make_encoder_runner, resolve_dtype
+from .encoder_runner import EncoderRunner, make_encoder_runner, place_model
 from .st_runner import resolve_device
 from .tokens import TokenizerAdapter
 
@@ -115,7 +115,7 @@ def build_fast_encoder_runner(
                  model_path, e)
         return None
     dev = torch.device(resolve_device(device))
-    model = model.to(device=dev, dtype=resolve_dtype(dtype, dev))
+    model = place_model(model, tokens, dtype, dev, what=model_path)
     log.info("model %s loaded from safetensors and tokenizer.json in %.3f s", model_path,
              time.perf_counter() - t0)
     return make_encoder_runner(

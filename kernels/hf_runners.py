@@ -11,6 +11,8 @@ sigmoid or none, from the model's config) so ``raw_scores`` costs nothing extra.
 
 Also here, torch-free: :func:`detect_task`, which reads a model directory's JSON files to decide which
 task it serves.
+Their weights stay float32 on the CPU whatever ``--dtype`` says: a classifier's or cross-encoder's
+logits are compared and thresholded, where the cosine guard of ``precision`` says nothing.
 Construction loads weights; only the model thread may call ``forward``/``finish``/``warmup``.
 """
 

@@ -49,14 +49,16 @@ def left_padded(batch: Sequence[Sequence[int]], pad_id: int) -> dict[str, np.nda
 
 def _dtype(dtype: str, device: str) -> Any:
     """``auto``: bfloat16 on CUDA where supported (these models are trained in it; float16 can overflow
-    in their activations), else float16; float32 on the CPU. Others as ``--dtype`` names them."""
+    in their activations), else float16; float32 on the CPU (no cosine guard fits a yes/no logit
+    difference, so bfloat16 there is the user's call: ``--dtype bfloat16``). Others as ``--dtype`` names
+    them."""
     import torch
 
-    from .encoder_runner import resolve_dtype
+    from .precision import resolve_dtype
 
     if dtype == "auto" and device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return resolve_dtype(dtype, torch.device(device))
+    return resolve_dtype(dtype, torch.device(device), cpu_auto_bf16=False)
 
 
 class LlmRerankRunner:

@@ -93,4 +93,6 @@ def load_runner(
     )
     if graph_runner is not None:
         return graph_runner
-    return SentenceTransformerRunner(path, name=name, device=options.device, aliases=aliases)
+    return SentenceTransformerRunner(
+        path, name=name, device=options.device, dtype=options.dtype, aliases=aliases
+    )

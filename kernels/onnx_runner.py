@@ -70,6 +70,9 @@ class ExportManifest:
     versions: dict[str, str] = field(default_factory=dict)  # torch, transformers, onnx ... that made it
     checks: dict[str, float] = field(default_factory=dict)  # export-time cosines against torch
     calibration: str = ""  # embed: the corpus digest calibration.npy was computed on ("" for none)
+    # embed: int8/uint8 output's step from those rows (x ≈ int8 × scale; calibration.int8_scale), for
+    # clients that quantise elsewhere what the server quantises; the server derives the same from them
+    int8_scale: float = 0.0
     version: int = MANIFEST_VERSION
 
     def write(self, directory: Path) -> None:

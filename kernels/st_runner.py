@@ -1,5 +1,9 @@
 """The eager runner: a sentence-transformers model run as-is, padded to each batch's longest input.
 
+On the CPU it runs bfloat16 where ``--dtype`` resolves to it and the model passes the warm-up guard
+(``precision``); ``SparseEncoderRunner`` (SPLADE) stays float32: which vocabulary terms come out
+non-zero hinges on small activations that bfloat16 rounds, and cosine cannot guard that.
+
 It serves any sentence-transformers model (and is the fallback for models the graph-safe forward does
 not cover). Construction loads weights; only the model thread may call ``forward``/``finish``/``warmup``.
 """
@@ -73,7 +77,8 @@ class SentenceTransformerRunner:
     capture_stats = None  # no CUDA graphs here
 
     def __init__(
-        self, path: str, *, name: str | None, device: str = "auto", aliases: Sequence[str] = ()
+        self, path: str, *, name: str | None, device: str = "auto", dtype: str = "auto",
+        aliases: Sequence[str] = (),
     ) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
@@ -85,6 +90,8 @@ class SentenceTransformerRunner:
         max_tokens = int(self.model.max_seq_length or self.model.tokenizer.model_max_length)
         self.tokens = TokenizerAdapter(self.model.tokenizer, max_tokens)
         self._input_names = set(self.model.tokenizer.model_input_names)
+        if self.device == "cpu":  # CUDA keeps the weights as loaded (float32), as it always has
+            self.model = self._placed(dtype, what=path)
         dim_of = partial(_embedding_dimension, self.model)
         kinds = [type(m).__name__ for m in self.model]
         normalized = "Normalize" in kinds
@@ -101,6 +108,19 @@ class SentenceTransformerRunner:
             token_embeddings=True,
             raw_rows=not normalized or kinds[-1] == "Normalize",  # raw rows skip a final Normalize
         )
+
+    def _placed(self, dtype: str, *, what: str) -> Any:
+        """The model in the precision ``--dtype`` resolves to on the CPU (bfloat16 past the guard)."""
+        from .precision import guard_sentences, to_precision
+
+        seqs = [self.with_special_tokens(ids) for ids in self.tokenize(guard_sentences())]
+        features = padded_features(seqs, self.tokens.pad_id, "token_type_ids" in self._input_names)
+
+        def embed(model: Any) -> np.ndarray:
+            rows: np.ndarray = model(dict(features))["sentence_embedding"].float().numpy()
+            return rows
+
+        return to_precision(self.model, dtype, self._torch.device("cpu"), embed, what=what)
 
     # -- CPU side ------------------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:

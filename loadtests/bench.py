@@ -21,6 +21,9 @@ markers are created when missing, and text outside the markers is kept):
   model (``bench_tracing``);
 * ``longinput``: 2,000-token texts chunked against truncated (tokens/s), and query p99 beside a
   stream of long chunked inputs (``bench_longinput``);
+* ``quality``: recall@10 and mean cosine against float32 of every precision and backend (torch
+  float32/bfloat16/auto, ONNX Runtime fp32 and int8 exports, OpenVINO where built) and output type
+  (float, int8, uint8, binary) on real text, beside throughput at 32 clients (``bench_quality``);
 * ``soak`` (only when named, ``make soak``): ``--soak-minutes`` of open-loop load alternating half and
   twice the measured capacity; every request answered, p99 within target, memory and descriptors
   steady (``bench_soak``);
@@ -46,7 +49,7 @@ from pathlib import Path
 
 SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
-    "features", "fairness", "overload", "tracing", "longinput",
+    "features", "fairness", "overload", "tracing", "longinput", "quality",
 )
 EXTRA_SECTIONS = ("soak", "memory")  # run only when named in --only: too long for every `make bench`
 
@@ -144,6 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--soak-minutes", type=float, default=10.0, help="length of the soak section's load")
     p.add_argument("--memory-minutes", type=float, default=3.0,
                    help="length of the memory section's load, per allocator")
+    p.add_argument("--quality-texts", type=int, default=None,
+                   help="paragraphs the quality section embeds (default: all of its corpus, about 1,500)")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.sections) - set(SECTIONS + EXTRA_SECTIONS)
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_memory,
         bench_onnx,
         bench_overload,
+        bench_quality,
         bench_sections,
         bench_soak,
         bench_tracing,
@@ -183,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "overload": bench_overload.overload,
         "tracing": bench_tracing.tracing,
         "longinput": bench_longinput.longinput,
+        "quality": bench_quality.quality,
         "soak": bench_soak.soak,
         "memory": bench_memory.memory,
     }

@@ -105,7 +105,7 @@ def features(args: argparse.Namespace) -> tuple[str, str]:
             [
                 ["float (float32)", str(floats.shape[1] * 4), "1.00", "-"],
                 [
-                    "int8 (corpus-calibrated ranges), dot product",
+                    "int8 (one symmetric corpus scale), dot product",
                     str(int8.shape[1]),
                     f"{recall_int8:.2f}",
                     "-",

@@ -54,7 +54,8 @@ def factory(spec: Any) -> NullForward:
     """``--runner-factory coalesce.loadtests.nullmodel:factory``: the model's tokenizer, a free forward."""
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
-    return NullForward(load_runner(spec.path, spec.name, RunnerOptions(device="cpu"), task=spec.task))
+    options = RunnerOptions(device="cpu", dtype="float32")  # the forward is skipped: no bfloat16 guard
+    return NullForward(load_runner(spec.path, spec.name, options, task=spec.task))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -427,8 +427,8 @@ class TeiInfo(msgspec.Struct, frozen=True):
     prompts: dict[str, str] | None
     # Our extras after TEI's fields.
     default_prompt: str | None  # the prompt text applied when a request names none
-    # int8/uint8 output's per-dimension [minimums, maximums] at full width (the calibration corpus's)
-    quantization_ranges: list[list[float]] | None
+    # int8 output's step at full width (x ≈ int8 × scale; uint8 = int8 + 128), from the calibration corpus
+    quantization_scale: float | None
     models: list[ServedTask]
 
 

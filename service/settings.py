@@ -172,8 +172,12 @@ class Settings:
         default="auto",
     )
     dtype: str = _knob(
-        "Weights' precision: auto (float16 on CUDA, float32 on CPU), float32, float16 or bfloat16. Half "
-        "precision roughly doubles GPU throughput at a cosine difference of about 1e-3; CPU runs float32.",
+        "Weights' precision: auto (float16 on CUDA; on the CPU bfloat16 where it computes it natively "
+        "- avx512_bf16, amx_bf16, Arm bf16 - for a model whose calibration rows stay within cosine 0.999 "
+        "of float32, else float32), float32, float16 (CUDA only) or bfloat16. Half precision roughly "
+        "doubles GPU throughput at a cosine difference of about 1e-3; bfloat16 on such CPUs runs BERT "
+        "encoders 2-3x faster at a cosine of about 0.9999. Classifiers, cross-encoders and SPLADE stay "
+        "float32 on the CPU.",
         default="auto",
     )
     cuda_graphs: bool = _knob(

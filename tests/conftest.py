@@ -22,6 +22,20 @@ from coalesce.loadtests import procs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests compare served rows with sentence-transformers in float32, whatever this CPU has: `--dtype auto`
+# means float32 here (the bfloat16 tests ask for it, and mock the CPU flag where they test detection).
+# The variable reaches the `coalesce serve` processes tests start; the fixture below, runners built
+# in-process.
+os.environ.setdefault("COALESCE_DTYPE", "float32")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_without_native_bf16() -> Iterator[None]:
+    from coalesce.kernels import precision
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precision, "native_bf16", lambda: None)
+        yield
 
 
 def metric(text: str, name: str, model: str | None = None, **labels: str) -> float:

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from coalesce.kernels.bert import GraphSafeBert
 from coalesce.kernels.buckets import BucketGrid, GraphOptions, parse_sizes
-from coalesce.kernels.encoder_runner import EncoderEngine, resolve_dtype
+from coalesce.kernels.encoder_runner import EncoderEngine
+from coalesce.kernels.precision import resolve_dtype
 
 from .machine import machine, sdpa_backends, versions
 from .report import Report, sigterm_exits

@@ -40,7 +40,7 @@ class EngineModel:
     runner: Runner
     worker: ModelWorker
     batcher: Batcher
-    calibration: np.ndarray | None = None  # the built-in corpus's embeddings (int8/uint8 ranges)
+    calibration: np.ndarray | None = None  # the built-in corpus's embeddings (int8/uint8 scale)
 
     @property
     def info(self) -> ModelInfo:
@@ -94,6 +94,7 @@ class Engine:
                 model=runner.info.name,
                 task=str(runner.info.task),
                 device=str(runner.device),
+                dtype=runner.info.dtype,
                 dim=runner.info.dim,
                 max_tokens=runner.info.max_tokens,
                 load_s=round(t1 - t0, 3),

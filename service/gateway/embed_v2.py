@@ -99,8 +99,8 @@ async def embed_v2(request: web.Request) -> web.Response:
         raise InvalidRequest(f"'max_tokens' must be at least 1; got {req.max_tokens}.", param="max_tokens",
                              code="invalid_value")
     dim = req.output_dimension or model.info.dim
-    ranges = model.quantization_ranges(dim) if CALIBRATED & set(types) else None
-    if CALIBRATED & set(types) and ranges is None:
+    scale = model.quantization_scale(dim) if CALIBRATED & set(types) else None
+    if CALIBRATED & set(types) and scale is None:
         raise InvalidRequest(f"Model '{model.info.name}' has no calibration for int8/uint8 output.",
                              param="embedding_types", code="unsupported")
     prompt = model.prompts.for_input_type(model.info.name, req.input_type)
@@ -118,7 +118,7 @@ async def embed_v2(request: web.Request) -> web.Response:
         elif kind == "base64":
             out["base64"] = base64_rows(rows)
         else:
-            out[kind] = quantize(rows, kind, ranges).tolist()
+            out[kind] = quantize(rows, kind, scale).tolist()
     tokens = fitted.tokens
     body = EmbedV2Response(
         id=uuid.uuid4().hex,

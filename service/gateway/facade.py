@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from aiohttp import web
-from coalesce.kernels.calibration import ranges
+from coalesce.kernels.calibration import int8_scale
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
 from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 
@@ -60,8 +60,8 @@ class ServedModel:
         self.device = device  # where the engine runs it ("cpu", "cuda:0", ...)
         self.specials = tokens.specials  # special tokens added to every single text
         self.prompts = prompts or Prompts()
-        self.calibration = calibration  # the engine's calibration-corpus embeddings (int8/uint8 ranges)
-        self._ranges: dict[int, np.ndarray] = {}
+        self.calibration = calibration  # the engine's calibration-corpus embeddings (int8/uint8 scale)
+        self._scales: dict[int, float] = {}
         self._prompt_lengths: dict[str, int] = {}
         self._metrics = metrics
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-tok-{info.name}")
@@ -136,18 +136,18 @@ class ServedModel:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._cpu, self.adapter().decode, ids, skip_special_tokens)
 
-    def quantization_ranges(self, dim: int) -> np.ndarray | None:
-        """Per-dimension [min; max] (2 × ``dim``) of the calibration corpus's embeddings at width ``dim``
-        (truncated and re-normalised as responses are), for int8/uint8 output; None without a corpus."""
+    def quantization_scale(self, dim: int) -> float | None:
+        """int8/uint8 output's step at width ``dim``: ``int8_scale`` of the calibration corpus's
+        embeddings truncated and re-normalised as responses are; None without a corpus."""
         if self.calibration is None:
             return None
-        known = self._ranges.get(dim)
+        known = self._scales.get(dim)
         if known is None:
             rows = self.calibration[:, :dim]
             if dim < self.calibration.shape[1]:
                 norms = np.linalg.norm(rows, axis=1, keepdims=True)
                 rows = rows / np.where(norms > 0, norms, 1.0)
-            known = self._ranges[dim] = ranges(rows)
+            known = self._scales[dim] = int8_scale(rows)
         return known
 
     def prompt_length(self, prompt: str) -> int:

@@ -69,13 +69,13 @@ async def info(request: web.Request) -> web.Response:
     this model's inputs, two per gateway process (queries and bulk requests apart) times ``--workers``;
     ``served_model_name`` — the name requests use; ``prompts`` — the model's sentence-transformers
     prompts (null when it has none); our ``default_prompt``, the text applied when a request names none,
-    and ``quantization_ranges``, the fixed per-dimension ranges of int8/uint8 output. No build hash,
-    image label or model revision is known here: those are null.
+    and ``quantization_scale``, the fixed step of int8 output at full width (``x ≈ int8 × scale``). No
+    build hash, image label or model revision is known here: those are null.
     """
     model = pick_model(request, request.query.get("model"), _ALL_TASKS, "/info")
     settings = request.app[SETTINGS]
     shortest = model.specials + 1
-    ranges = model.quantization_ranges(model.info.dim)
+    scale = model.quantization_scale(model.info.dim)
     body = TeiInfo(
         model_id=model.info.name,
         model_sha=None,
@@ -94,7 +94,7 @@ async def info(request: web.Request) -> web.Response:
         served_model_name=model.info.name,
         prompts=model.prompts.named or None,
         default_prompt=model.prompts.default,
-        quantization_ranges=None if ranges is None else ranges.tolist(),
+        quantization_scale=scale,
         models=[ServedTask(id=m.info.name, task=str(m.info.task)) for m in request.app[MODELS].models],
     )
     return json_response(body)

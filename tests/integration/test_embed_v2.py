@@ -1,7 +1,7 @@
-"""``POST /v2/embed``, Cohere's v2 embed, through the real ``cohere`` client: every embedding type is
-sentence-transformers' own (``quantize_embeddings`` with the built-in corpus as calibration), the same
-text always gets the same bytes, ``input_type`` picks the model's prompt, and bad input is a 400 in
-Cohere's shape naming the field."""
+"""``POST /v2/embed``, Cohere's v2 embed, through the real ``cohere`` client: binary types are
+sentence-transformers' own (``quantize_embeddings``), int8/uint8 one symmetric scale from the built-in
+corpus (an integer dot product ranks like the float one), the same text always gets the same bytes,
+``input_type`` picks the model's prompt, and bad input is a 400 in Cohere's shape naming the field."""
 
 from __future__ import annotations
 
@@ -56,6 +56,23 @@ def _quantize(rows: np.ndarray, kind: str, calibration: np.ndarray | None = None
     return np.asarray(quantize_embeddings(rows, precision=kind, calibration_embeddings=calibration))
 
 
+def _symmetric_int8(rows: np.ndarray, calibration: np.ndarray) -> np.ndarray:
+    """What the README promises: round(x / scale), scale = the 99.99th percentile of the corpus's |x|
+    over 127, clipped to ±127."""
+    scale = np.percentile(np.abs(calibration), 99.99) / 127
+    return np.clip(np.rint(rows / scale), -127, 127).astype(int)
+
+
+def _recall_at_10(truth: np.ndarray, scores: np.ndarray) -> float:
+    """Mean share of each row's top 10 by ``truth`` that ``scores`` also ranks top 10 (self left out)."""
+    truth, scores = truth.astype(np.float64), scores.astype(np.float64)
+    np.fill_diagonal(truth, -np.inf)
+    np.fill_diagonal(scores, -np.inf)
+    top = np.argsort(-truth, axis=1, kind="stable")[:, :10]
+    got = np.argsort(-scores, axis=1, kind="stable")[:, :10]
+    return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top, got, strict=True)]))
+
+
 def test_every_embedding_type_is_sentence_transformers_own(client: Any, st_model: Any) -> None:
     resp = client.embed(
         model="all-MiniLM-L6-v2", texts=TEXTS, input_type="search_document", embedding_types=ALL_TYPES
@@ -71,13 +88,13 @@ def test_every_embedding_type_is_sentence_transformers_own(client: Any, st_model
         got, theirs = np.asarray(getattr(emb, kind)), _quantize(want, kind)
         assert got.shape == (3, 384 // 8)
         assert (np.unpackbits(got.astype(np.uint8)) != np.unpackbits(theirs.astype(np.uint8))).mean() < 0.01
-    # int8/uint8: the ranges of the corpus embedded at warm-up; a value on a step's edge may land one over.
-    calibration = st_model.encode(list(CORPUS))
-    for kind in ("int8", "uint8"):
-        got = np.asarray(getattr(emb, kind))
-        theirs = _quantize(want, kind, calibration)
-        diff = np.abs(got.astype(int) - theirs.astype(int))
-        assert diff.max() <= 1 and (diff > 0).mean() < 0.02, kind
+    # int8: one symmetric scale from the corpus embedded at warm-up; a value on a step's edge may land
+    # one over. uint8 is int8 + 128, exactly.
+    int8 = np.asarray(emb.int8)
+    diff = np.abs(int8 - _symmetric_int8(want, st_model.encode(list(CORPUS))))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.02
+    assert int8.min() >= -127 and int8.max() <= 127
+    np.testing.assert_array_equal(np.asarray(emb.uint8), int8 + 128)
     assert resp.meta.billed_units.input_tokens == sum(
         len(st_model.tokenize([t])["input_ids"][0]) for t in TEXTS
     )
@@ -123,7 +140,7 @@ def test_output_dimension_truncates_and_quantises_at_that_width(client: Any, st_
     np.testing.assert_allclose(np.linalg.norm(floats, axis=1), 1.0, rtol=1e-5)
     cut = st_model.encode(list(CORPUS))[:, :128]
     calibration = cut / np.linalg.norm(cut, axis=1, keepdims=True)
-    diff = np.abs(np.asarray(resp.embeddings.int8) - _quantize(floats, "int8", calibration).astype(int))
+    diff = np.abs(np.asarray(resp.embeddings.int8) - _symmetric_int8(floats, calibration))
     assert diff.max() <= 1
     assert np.asarray(resp.embeddings.ubinary).shape == (3, 16)
 
@@ -153,6 +170,23 @@ def test_binary_neighbours_find_most_of_the_float_ones(client: Any) -> None:
     assert len(CORPUS) == 12 * len(TOPICS)
 
 
+def test_int8_and_shifted_uint8_rank_like_float_with_a_plain_dot_product(client: Any) -> None:
+    """Each corpus sentence's top 10 by an integer dot product of int8 (and of uint8 shifted back by
+    128) against its top 10 by cosine: a per-dimension offset would bias each sentence's products."""
+    resp = client.embed(
+        model="all-MiniLM-L6-v2", texts=list(CORPUS), input_type="search_document",
+        embedding_types=["float", "int8", "uint8"],
+    )
+    floats = np.asarray(resp.embeddings.float_)
+    int8 = np.asarray(resp.embeddings.int8, dtype=np.int64)
+    uint8 = np.asarray(resp.embeddings.uint8, dtype=np.int64) - 128
+    np.testing.assert_array_equal(uint8, int8)
+    assert _recall_at_10(floats @ floats.T, int8 @ int8.T) >= 0.98
+    # Zero stays zero: a row's int8 is its float row over one scale, so the cosine barely moves.
+    cos = (floats * int8).sum(1) / np.linalg.norm(floats, axis=1) / np.linalg.norm(int8, axis=1)
+    assert cos.min() >= 0.999
+
+
 async def test_bad_input_is_a_400_in_cohere_shape_naming_the_field(server: ServerThread) -> None:
     long_text = " ".join(["word"] * 400)
     cases = [
@@ -174,10 +208,9 @@ async def test_bad_input_is_a_400_in_cohere_shape_naming_the_field(server: Serve
                 assert r.headers["x-error-code"]
 
 
-async def test_info_shows_the_quantisation_ranges(server: ServerThread, st_model: Any) -> None:
+async def test_info_shows_the_int8_scale(server: ServerThread, st_model: Any) -> None:
     async with aiohttp.ClientSession() as s, s.get(server.url + "/info") as r:
         info = await r.json()
-    lows, highs = np.asarray(info["quantization_ranges"])
     calibration = st_model.encode(list(CORPUS))
-    np.testing.assert_allclose(lows, calibration.min(0), atol=1e-5)
-    np.testing.assert_allclose(highs, calibration.max(0), atol=1e-5)
+    assert info["quantization_scale"] == pytest.approx(np.percentile(np.abs(calibration), 99.99) / 127,
+                                                       rel=1e-4)

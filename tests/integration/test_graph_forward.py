@@ -136,12 +136,16 @@ def test_truncate_dim_truncates_before_normalising(st: Any) -> None:
     torch.testing.assert_close(got, expected)
 
 
-def test_half_precision_on_cpu_runs_float32(caplog: pytest.LogCaptureFixture) -> None:
+def test_float16_on_cpu_runs_float32_and_bfloat16_runs_bfloat16(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="coalesce.kernels"):
-        built = build_encoder_runner(default_model_path(), name="m", device="cpu", dtype="bfloat16")
+        built = build_encoder_runner(default_model_path(), name="m", device="cpu", dtype="float16")
     assert built is not None
     assert built.model.word.weight.dtype == torch.float32
     assert any("running float32" in r.getMessage() for r in caplog.records)
+    # bfloat16 asked: it runs (emulated where the CPU lacks it), past the guard, on this loader too.
+    bf16 = build_encoder_runner(default_model_path(), name="m", device="cpu", dtype="bfloat16")
+    assert bf16 is not None and bf16.model.word.weight.dtype == torch.bfloat16
+    assert bf16.info.dtype == "bfloat16"
 
 
 def _tokenizer_files(dest: Path) -> None:

@@ -287,6 +287,24 @@ async def test_server_with_onnx_backend_answers_embeddings(onnx_server: ServerTh
     assert body["usage"]["prompt_tokens"] > 0
 
 
+async def test_the_int8_scale_an_export_stores_is_the_one_its_server_quantises_with(
+    onnx_server: ServerThread, exports: dict[str, Path]
+) -> None:
+    from coalesce.kernels.calibration import int8_scale
+
+    manifest = json.loads((exports["minilm"] / "coalesce_export.json").read_text())
+    assert manifest["int8_scale"] == pytest.approx(int8_scale(np.load(exports["minilm"] / "calibration.npy")))
+    async with aiohttp.ClientSession() as http:
+        async with http.get(onnx_server.url + "/info") as resp:
+            served = (await resp.json())["quantization_scale"]
+        assert served == pytest.approx(manifest["int8_scale"], rel=1e-6)
+        body = {"model": "all-MiniLM-L6-v2", "texts": MIXED, "embedding_types": ["float", "int8"]}
+        async with http.post(onnx_server.url + "/v2/embed", json=body) as resp:
+            embeddings = (await resp.json())["embeddings"]
+    want = np.clip(np.rint(np.asarray(embeddings["float"]) / manifest["int8_scale"]), -127, 127)
+    assert np.abs(np.asarray(embeddings["int8"]) - want).max() <= 1
+
+
 async def test_server_with_onnx_backend_reranks(onnx_server: ServerThread) -> None:
     from sentence_transformers import CrossEncoder
 
