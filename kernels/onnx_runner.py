@@ -64,7 +64,8 @@ class ExportManifest:
     labels: tuple[str, ...] = ()
     activations: dict[str, str] = field(default_factory=dict)  # classify/rerank: task → activation
     aliases: tuple[str, ...] = ()
-    quantize: str = "none"  # or int8 (dynamic quantisation of the weights)
+    quantize: str = "none"  # or int8
+    quantization: dict[str, str] = field(default_factory=dict)  # int8: how (static QDQ, what, calibrated on)
     pooling: str = "graph"  # where pooling and normalisation run: inside the ONNX graph
     source: str = ""  # the model directory or name it was exported from
     versions: dict[str, str] = field(default_factory=dict)  # torch, transformers, onnx ... that made it
