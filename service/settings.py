@@ -167,7 +167,7 @@ class Settings:
         "by `coalesce export`, run on the CPU without importing torch: sub-second cold start and a faster "
         "forward at small batches; onnx is ONNX Runtime, openvino is OpenVINO's CPU plugin, faster again "
         "and in bfloat16 on CPUs that have it (--dtype float32 forces float32), at about 0.4 s more cold "
-        "start before its compiled-model cache is warm; int8 exports trade ~0.01 of cosine for more "
+        "start before its compiled-model cache is warm; int8 exports trade ~0.002 of cosine for more "
         "speed). auto: for an exported graph whose forward runs on the CPU (--device cpu, or no CUDA "
         "device visible), openvino when it is installed, else onnx; torch otherwise.",
         default="auto",

@@ -25,7 +25,7 @@ FROM ${PYTHON_IMAGE} AS export
 ARG TORCH_INDEX_URL=""
 ARG TORCH_SPEC="torch"
 # none: fp32, the same embeddings as torch. int8: a smaller graph, faster at large batches, at a
-# cosine of ~0.99 to fp32 (static: a text's vector does not depend on its batch).
+# cosine of ~0.998 to fp32 (static: a text's vector does not depend on its batch).
 ARG QUANTIZE="none"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
