@@ -174,7 +174,7 @@ def digest() -> str:
 
 def corpus_batches(tokens: Tokens) -> list[list[list[int]]]:
     """The corpus as the batches of complete id sequences (no prompt) its rows are computed from, in
-    order, wherever they are computed: the same batches everywhere, because an int8 graph quantises its
-    activations per batch, so its rows depend on their batch."""
+    order, wherever they are computed: the same batches everywhere (an int8 export from before static
+    quantisation scales its activations per batch, so its rows depend on their batch)."""
     seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(CORPUS)]
     return [seqs[i : i + BATCH] for i in range(0, len(seqs), BATCH)]

@@ -12,7 +12,8 @@ For embedding models the fastest applicable path wins:
 Classifiers and cross-encoders get ``SequenceClassifierRunner``; LLM rerankers (a causal LM served as a
 reranker, or its converted "seq-cls" variant; see ``rerank_template``) get ``LlmRerankRunner``. A
 directory written by ``coalesce export`` is served by ``onnx_runner.OnnxRunner`` instead when
-``--backend`` resolves to onnx (before anything imports torch).
+``--backend`` resolves to onnx, or by ``openvino_runner.OpenVinoRunner`` when it resolves to openvino
+(before anything imports torch).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class RunnerOptions:
     device: str = "auto"
     dtype: str = "auto"
     graphs: GraphOptions = GraphOptions()  # noqa: RUF009 (frozen, so one shared default is safe)
-    backend: str = "auto"  # torch, onnx, or auto (see onnx_runner.resolve_backend)
+    backend: str = "auto"  # torch, onnx, openvino, or auto (see onnx_runner.resolve_backend)
+    openvino_cache_dir: str | None = None  # None: openvino_runner.default_cache_dir
 
 
 def load_runner(
@@ -61,7 +63,8 @@ def load_runner(
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     onnx = onnx_runner_for(
-        path, name=name, task=task, aliases=aliases, backend=options.backend, device=options.device
+        path, name=name, task=task, aliases=aliases, backend=options.backend, device=options.device,
+        dtype=options.dtype, openvino_cache_dir=options.openvino_cache_dir,
     )
     if onnx is not None:
         return onnx

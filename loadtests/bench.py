@@ -12,7 +12,8 @@ markers are created when missing, and text outside the markers is kept):
 * ``kernels``: our encoder forward against the Hugging Face forward, eagerly on this CPU;
 * ``gateway``: one process's CPU per request on a null model, beside an aiohttp stub;
 * ``engine``: ``--workers 2``'s engine and gateway CPU per request, and coalescing across gateways;
-* ``onnx``: the ONNX Runtime backend against torch: cold start, latency, throughput, idle (``bench_onnx``);
+* ``onnx``: the ONNX Runtime and OpenVINO backends against torch: cold start, latency, throughput, idle
+  (``bench_onnx``);
 * ``features``: the result cache on a replay with repeats, and binary/int8 retrieval recall;
 * ``fairness``: bulk ingestion beside interactive queries, against ``--batching fixed`` and Infinity;
 * ``overload``: a RAG ingestion burst from the ``openai`` client against Coalesce and Infinity, a mixed

@@ -1,12 +1,15 @@
-"""The ``onnx`` bench section: the torch and ONNX Runtime backends side by side in one run (CPU).
+"""The ``onnx`` bench section: torch, ONNX Runtime and OpenVINO side by side in one run (CPU).
 
 The packaged MiniLM is exported twice (``coalesce export``, fp32 and ``--quantize int8``) into the
 bench output folder, then, one server at a time on loopback:
 
-* cold start: process start → ``/ready`` → first embedding, torch and onnx alternated, median of 3;
+* cold start: process start → ``/ready`` → first embedding, torch, onnx and openvino alternated,
+  median of 5 (OpenVINO's compiled-model cache starts empty, so its slowest start is a cold compile);
 * latency and throughput: closed loop with 1 client (p50) and 32 clients (throughput), short texts,
-  torch, onnx fp32 and onnx int8;
-* idle: CPU seconds a ready server spends in 10 s with no traffic, both backends;
+  torch, onnx fp32, onnx int8, openvino (``--dtype auto``: bf16 where the CPU has it) and openvino
+  float32 (when OpenVINO is installed);
+* whether each server process (and its children) mapped libtorch;
+* idle: CPU seconds a ready server spends in 10 s with no traffic, torch, onnx and openvino;
 * pooling: the exported graph (pooling and normalisation inside) against the same graph cut before
   pooling with mean pooling and normalisation in numpy, in this process, rounds alternated.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import time
@@ -24,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from coalesce.kernels.onnx_runner import openvino_installed
 from coalesce.loadtests import coldstart, servers
-from coalesce.loadtests.procs import cpu_seconds
+from coalesce.loadtests.procs import cpu_seconds, tree
 from coalesce.loadtests.report import fmt, markdown_table
 from coalesce.loadtests.scenario import Mode, Scenario
 from coalesce.loadtests.workload import Mix
@@ -49,16 +54,24 @@ def onnx(args: argparse.Namespace) -> tuple[str, str]:
         "onnx": ["--backend", "onnx", "--model", str(exports["fp32"])],
         "onnx int8": ["--backend", "onnx", "--model", str(exports["int8"])],
     }
+    cache = out / "openvino-cache"
+    if openvino_installed():
+        shutil.rmtree(cache, ignore_errors=True)  # the first cold start compiles; the rest read the cache
+        ov = ["--backend", "openvino", "--openvino-cache-dir", str(cache), "--model", str(exports["fp32"])]
+        flags |= {"openvino": ov, "openvino f32": [*ov, "--dtype", "float32"],
+                  "openvino int8": [*ov[:-1], str(exports["int8"]), "--dtype", "float32"]}
     cold = _cold_starts(flags, args.ready_timeout)
     closed = Scenario(
         mode=Mode.CLOSED, concurrency=CLIENTS, duration=args.duration, warmup=3.0, mix=Mix.SHORT
     )
     steps: dict[str, tuple[Any, Any]] = {}
     idle: dict[str, float] = {}
+    libtorch: dict[str, bool] = {}
     for name, fl in flags.items():
         spec = servers.coalesce_spec(name.replace(" ", "-"), fl)
         with servers.running(spec, out / "logs", args.ready_timeout) as srv:
-            if name != "onnx int8":
+            libtorch[name] = _maps_libtorch(srv.proc.pid)
+            if name in ("torch", "onnx", "openvino"):
                 time.sleep(2.0)  # let start-up settle
                 before = cpu_seconds(srv.proc.pid)
                 time.sleep(IDLE_S)
@@ -81,12 +94,14 @@ def onnx(args: argparse.Namespace) -> tuple[str, str]:
     for name in flags:
         c = cold.get(name)
         rows.append([
-            f"`{' '.join(flags[name][:2])}`" + (" (int8 export)" if "int8" in name else ""),
+            f"`{' '.join(flags[name][:2])}`" + (" (int8 export)" if "int8" in name else "")
+            + (" `--dtype float32`" if name.startswith("openvino") and name != "openvino" else ""),
             f"{c['ready_s']:.2f}" if c else "-",
             f"{c['first_embedding_s']:.2f} ({c['first_min_s']:.2f}–{c['first_max_s']:.2f})" if c else "-",
             f"{c['cpu_s']:.2f}" if c else "-",
             fmt(p50(name)), fmt(steps[name][0].latency.p99_ms if steps[name][0].latency else None),
             fmt(rps(name)), f"{idle[name]:.3f}" if name in idle else "-",
+            "yes" if libtorch[name] else "no",
         ])
     first = cold["onnx"]["first_embedding_s"]
     figures = [
@@ -100,21 +115,39 @@ def onnx(args: argparse.Namespace) -> tuple[str, str]:
         [f"idle CPU of a ready onnx server ({IDLE_S:g} s)", "0", f"{idle['onnx']:.3f} CPU-s",
          _met(idle["onnx"] < 0.05 * IDLE_S)],
     ]
+    if "openvino" in flags:
+        ov_first = cold["openvino"]["first_embedding_s"]
+        figures += [
+            [f"throughput at {CLIENTS} clients, openvino (--dtype auto) ÷ onnx fp32", "≥ 1.5×",
+             f"{rps('openvino') / rps('onnx'):.2f}×", _met(rps("openvino") >= 1.5 * rps("onnx"))],
+            [f"throughput at {CLIENTS} clients, openvino float32 ÷ onnx fp32", "-",
+             f"{rps('openvino f32') / rps('onnx'):.2f}×", ""],
+            [f"throughput at {CLIENTS} clients, openvino int8 export ÷ onnx int8 export", "-",
+             f"{rps('openvino int8') / rps('onnx int8'):.2f}×", ""],
+            ["openvino: process start → first embedding (cache warm, median)", "≤ 1.0 s", f"{ov_first:.2f} s",
+             _met(ov_first <= 1.0)],
+            ["openvino: libtorch mapped", "no", "yes" if libtorch["openvino"] else "no",
+             _met(not libtorch["openvino"])],
+            [f"idle CPU of a ready openvino server ({IDLE_S:g} s)", "0", f"{idle['openvino']:.3f} CPU-s",
+             _met(idle["openvino"] < 0.05 * IDLE_S)],
+        ]
     pool_rows = [
         [f"{n} × {length}", f"{g:.2f}", f"{m:.2f}", f"{m / g:.2f}×"]
         for (n, length), (g, m) in pooling.items()
     ]
     body = (
         "The packaged all-MiniLM-L6-v2, exported in this run (`coalesce export`, fp32 and "
-        f"`--quantize int8`), served by each backend in turn. Cold start: median of {COLD_RUNS} starts, "
-        "torch and onnx alternated, seconds from process start, and the CPU-seconds the server spent to "
+        f"`--quantize int8`), served by each backend in turn (openvino: `--dtype auto`, bf16 where the "
+        f"CPU has it, unless the row says float32). Cold start: median of {COLD_RUNS} starts, "
+        "torch, onnx and openvino alternated (OpenVINO's compiled-model cache empty before the first: the "
+        "slowest start is its compile), seconds from process start, and the CPU-seconds the server spent to "
         "get there (which other load on the machine hardly changes); the project's modules compiled to "
         "bytecode first, as the images' `pip install` does. Load: short single-sentence requests, "
         f"closed loop, {args.duration:g} s after 3 s warm-up, 1 client then {CLIENTS}. Idle: CPU-seconds "
         f"of a ready server in {IDLE_S:g} s without traffic.\n\n"
         + markdown_table(["server", "/ready s", "first embedding s (fastest–slowest)", "CPU-s to it",
                           "p50 ms (1 client)", "p99 ms (1 client)", f"req/s ({CLIENTS} clients)",
-                          f"idle CPU-s / {IDLE_S:g} s"],
+                          f"idle CPU-s / {IDLE_S:g} s", "libtorch mapped"],
                          rows)
         + "\n\n"
         + markdown_table(["figure", "target", "measured", ""], figures)
@@ -124,7 +157,7 @@ def onnx(args: argparse.Namespace) -> tuple[str, str]:
         + markdown_table(["batch × tokens", "in the graph ms", "numpy ms", "numpy ÷ graph"], pool_rows)
         + "\n"
     )
-    return "ONNX Runtime against torch on CPU: cold start, latency, throughput, idle", body
+    return "ONNX Runtime and OpenVINO against torch on CPU: cold start, latency, throughput, idle", body
 
 
 def _export(target: Path, quantize: str) -> None:
@@ -135,9 +168,11 @@ def _export(target: Path, quantize: str) -> None:
 
 
 def _cold_starts(flags: dict[str, list[str]], timeout_s: float) -> dict[str, dict[str, float]]:
-    """Median /ready and first-embedding seconds of torch and onnx fp32, starts alternated."""
+    """Median /ready and first-embedding seconds of torch, onnx fp32 and openvino (when installed),
+    starts alternated."""
     port = servers.free_port()
-    runs: dict[str, list[dict[str, Any]]] = {"torch": [], "onnx": []}
+    names = [name for name in ("torch", "onnx", "openvino") if name in flags]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(COLD_RUNS):
         for name in runs:
             argv = [*servers.coalesce_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -151,6 +186,17 @@ def _cold_starts(flags: dict[str, list[str]], timeout_s: float) -> dict[str, dic
         }
         for name, rs in runs.items()
     }
+
+
+def _maps_libtorch(pid: int) -> bool:
+    """Whether ``pid`` or one of its children has libtorch mapped."""
+    for p in tree(pid):
+        try:
+            if "libtorch" in Path(f"/proc/{p}/maps").read_text():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _pooling(export: Path, seconds: float = 4.0) -> dict[tuple[int, int], tuple[float, float]]:

@@ -149,7 +149,8 @@ def default_factory(settings: Settings) -> RunnerFactory:
         budget_bytes=settings.graph_memory_budget_mb << 20,
     )
     options = RunnerOptions(
-        device=settings.device, dtype=settings.dtype, graphs=graphs, backend=settings.backend
+        device=settings.device, dtype=settings.dtype, graphs=graphs, backend=settings.backend,
+        openvino_cache_dir=settings.openvino_cache_dir,
     )
     return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task,
                                     rerank_template=spec.rerank_template)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from .tiny_models import classifier_dir, reranker_dir
+
 _HERE = Path(__file__).parent
 
 
@@ -14,3 +16,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each model exported once per session (the ONNX and OpenVINO tests share them): MiniLM in fp32 and
+    int8, the classifier, the reranker."""
+    from coalesce.kernels.export import export_model
+
+    root = tmp_path_factory.mktemp("onnx")
+    jobs = {
+        "minilm": ("default", "none"),
+        "minilm-int8": ("default", "int8"),
+        "classifier": (classifier_dir(), "none"),
+        "reranker": (reranker_dir(), "none"),
+    }
+    for name, (model, quantize) in jobs.items():
+        export_model(model, root / name, quantize=quantize)
+    return {name: root / name for name in jobs}

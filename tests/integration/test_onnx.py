@@ -20,7 +20,6 @@ import aiohttp
 import numpy as np
 import pytest
 from coalesce.kernels.calibration import BATCH, CORPUS, corpus_batches, digest
-from coalesce.kernels.export import export_model
 from coalesce.kernels.loader import RunnerOptions, load_runner
 from coalesce.kernels.onnx_runner import MissingGraph, OnnxPairRunner, OnnxRunner, load_onnx_runner
 from coalesce.kernels.protocol import PairIds, Runner
@@ -51,21 +50,6 @@ DOCS = [
 ]
 COALESCE = str(Path(sys.executable).with_name("coalesce"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture(scope="session")
-def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each model exported once per session: MiniLM in fp32 and int8, the classifier, the reranker."""
-    root = tmp_path_factory.mktemp("onnx")
-    jobs = {
-        "minilm": ("default", "none"),
-        "minilm-int8": ("default", "int8"),
-        "classifier": (classifier_dir(), "none"),
-        "reranker": (reranker_dir(), "none"),
-    }
-    for name, (model, quantize) in jobs.items():
-        export_model(model, root / name, quantize=quantize)
-    return {name: root / name for name in jobs}
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -326,8 +310,9 @@ _NO_TORCH_PROBE = textwrap.dedent(
     from coalesce.service.gateway.app import create_app
     from coalesce.service.settings import build
 
-    async def main(model):
-        app = create_app(build(["--backend", "onnx", "--model", model, "--host", "127.0.0.1"], environ={}))
+    async def main(model, backend, *flags):
+        argv = ["--backend", backend, "--model", model, "--host", "127.0.0.1", *flags]
+        app = create_app(build(argv, environ={}))
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -342,24 +327,35 @@ _NO_TORCH_PROBE = textwrap.dedent(
             async with http.post(f"http://127.0.0.1:{port}/v1/embeddings",
                                  json={"model": "all-MiniLM-L6-v2", "input": ["hello", "world"]}) as r:
                 body = await r.json()
+            async with http.get(f"http://127.0.0.1:{port}/info") as r_info:
+                dtype = (await r_info.json())["model_dtype"]
         await runner.cleanup()
         heavy = {"torch", "transformers", "sentence_transformers"} & {m.split(".")[0] for m in sys.modules}
+        with open("/proc/self/maps") as maps:
+            heavy |= {"libtorch"} if "libtorch" in maps.read() else set()
         dim = len(body["data"][0]["embedding"])
-        print(json.dumps({"status": r.status, "rows": len(body["data"]), "dim": dim, "heavy": sorted(heavy)}))
+        print(json.dumps({"status": r.status, "rows": len(body["data"]), "dim": dim, "heavy": sorted(heavy),
+                          "dtype": dtype}))
 
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(*sys.argv[1:]))
     """
 )
 
 
-def test_serving_an_export_never_imports_torch_or_transformers(exports: dict[str, Path]) -> None:
+@pytest.mark.parametrize("backend", ["onnx", "openvino"])
+def test_serving_an_export_never_imports_torch_or_transformers(
+    exports: dict[str, Path], backend: str, tmp_path: Path
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _NO_TORCH_PROBE, str(exports["minilm"])],
+        [sys.executable, "-c", _NO_TORCH_PROBE, str(exports["minilm"]), backend,
+         "--openvino-cache-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120, env=ENV, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    dtype = result.pop("dtype")
     assert result == {"status": 200, "rows": 2, "dim": 384, "heavy": []}
+    assert dtype == "float32" if backend == "onnx" else dtype in ("float32", "bfloat16")
 
 
 # -- backend choice and errors -------------------------------------------------------------------------

@@ -63,12 +63,29 @@ def test_auto_serves_an_export_with_onnx_on_cpu_and_torch_weights_on_a_gpu(
     only_graph = str(_export_dir(tmp_path / "export"))
     both = str(_export_dir(tmp_path / "both", weights=True))
     monkeypatch.setattr(onnx_runner, "cuda_visible", lambda: False)
+    monkeypatch.setattr(onnx_runner, "openvino_installed", lambda: False)
     assert resolve_backend("auto", both, "auto") == "onnx"
     monkeypatch.setattr(onnx_runner, "cuda_visible", lambda: True)
     assert resolve_backend("auto", both, "auto") == "torch"  # GPUs keep torch and CUDA graphs
     assert resolve_backend("auto", both, "cuda:0") == "torch"
     assert resolve_backend("auto", both, "cpu") == "onnx"  # --device cpu says CPU on any host
     assert resolve_backend("auto", only_graph, "auto") == "onnx"  # nothing else could serve it
+
+
+def test_auto_prefers_openvino_for_an_export_on_cpu_when_it_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    only_graph = str(_export_dir(tmp_path / "export"))
+    both = str(_export_dir(tmp_path / "both", weights=True))
+    monkeypatch.setattr(onnx_runner, "openvino_installed", lambda: True)
+    monkeypatch.setattr(onnx_runner, "cuda_visible", lambda: False)
+    assert resolve_backend("auto", both, "auto") == "openvino"
+    assert resolve_backend("auto", both, "cpu") == "openvino"
+    assert resolve_backend("onnx", both, "cpu") == "onnx"  # asked for by name: taken as asked
+    monkeypatch.setattr(onnx_runner, "cuda_visible", lambda: True)
+    assert resolve_backend("auto", both, "auto") == "torch"  # GPUs keep torch
+    assert resolve_backend("auto", only_graph, "auto") == "openvino"
+    assert resolve_backend("auto", str(tmp_path / "export"), "cpu") == "openvino"
 
 
 def test_cuda_is_visible_only_with_an_nvidia_driver(tmp_path: Path) -> None:
@@ -140,7 +157,8 @@ def test_omp_num_threads_wins_when_it_is_a_positive_number() -> None:
 
 # -- manifest, settings, messages ----------------------------------------------------------------------
 def test_the_manifest_round_trips_and_refuses_another_format(tmp_path: Path) -> None:
-    manifest = _manifest(labels=("a", "b"), activations={"classify": "softmax"}, checks={"fp32": 1.0})
+    manifest = _manifest(labels=("a", "b"), activations={"classify": "softmax"}, checks={"fp32": 1.0},
+                         quantize="int8", quantization={"method": "static", "format": "QDQ"})
     manifest.write(tmp_path)
     assert ExportManifest.read(tmp_path) == manifest
     text = (tmp_path / "coalesce_export.json").read_text().replace('"version": 1', '"version": 99')
@@ -153,10 +171,16 @@ def test_the_backend_knob_is_validated() -> None:
     assert build([]).backend == "auto"
     assert build(["--backend", "onnx"]).backend == "onnx"
     assert build([], environ={"COALESCE_BACKEND": "torch"}).backend == "torch"
-    with pytest.raises(SystemExit, match="backend must be auto, torch or onnx"):
+    assert build(["--backend", "openvino"]).backend == "openvino"
+    with pytest.raises(SystemExit, match="backend must be auto, torch, onnx or openvino"):
         build(["--backend", "tensorrt"])
     with pytest.raises(SystemExit, match="onnx backend runs on the CPU"):
         build(["--backend", "onnx", "--device", "cuda"])
+    with pytest.raises(SystemExit, match="openvino backend runs on the CPU"):
+        build(["--backend", "openvino", "--device", "cuda:0"])
+    assert build([]).openvino_cache_dir is None
+    assert build(["--openvino-cache-dir", "/var/cache/ov"]).openvino_cache_dir == "/var/cache/ov"
+    assert build([], environ={"COALESCE_OPENVINO_CACHE_DIR": "/c"}).openvino_cache_dir == "/c"
 
 
 def test_the_export_reason_is_one_line_naming_the_cause_and_the_code() -> None:

