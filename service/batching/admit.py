@@ -47,16 +47,15 @@ class Refusal:
 
 class Admitter:
     """The admission decisions of one model's scheduler. ``busy_s(now)``: seconds the batches already
-    handed to the model still need, as predicted; ``running()``: whether one is still running."""
+    handed to the model still need."""
 
     def __init__(self, config: AdmissionConfig, queue: FairQueue, cost: CostModel, padded_cost: PaddedCost,
-                 busy_s: Callable[[float], float], running: Callable[[], bool] = lambda: False) -> None:
+                 busy_s: Callable[[float], float]) -> None:
         self.config = config
         self._queue = queue
         self._cost = cost
         self._padded_cost = padded_cost
         self._busy_s = busy_s
-        self._running = running
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer(longest_s=max(config.burst_wait_s, 1.0))
@@ -160,8 +159,7 @@ class Admitter:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
         wait = self.wait_s(ahead, now)
-        standing = self.regime.observe(now, self._running())
-        verdict = judge_wait(standing, elapsed, wait, self.batch_s(first), cfg)
+        verdict = judge_wait(self.regime.observe(now), elapsed, wait, self.batch_s(first), cfg)
         if verdict is None:
             return None
         reason, allowed, what = verdict
@@ -189,7 +187,7 @@ class Admitter:
         if not self.on or not waiting:
             return []
         cfg = self.config
-        if not self.regime.observe(now, self._running()):
+        if not self.regime.observe(now):
             return [e for e in waiting if e.lead and start - e.arrival > cfg.burst_wait_s]
         anchor = waiting[0]
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))

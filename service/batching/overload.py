@@ -2,19 +2,17 @@
 
 **The regime** follows CoDel (RFC 8289) and its use for server queues in "Fail at Scale" (Facebook,
 2015). A queue that keeps emptying is *good*: whatever waits in it is a burst that drains. A queue
-*stands* once its oldest waiting input has been older than ``target_s`` for a whole ``interval_s`` while
-requests keep arriving at least as fast as the model serves them: it does not drain, and admitting more
-only makes everyone later. It stands until nothing waits and the model is idle (a standing queue whose
-late inputs were just dropped is young, not drained) or until arrivals fall below the model's rate (what
+*stands* once its oldest waiting input has been older than ``target_s`` for a whole ``interval_s``
+while requests keep arriving at least as fast as the model serves them: it does not drain, and
+admitting more only makes everyone later. It stands until nothing waits (a standing queue whose late
+inputs were just dropped is young, not drained) or until arrivals fall below the model's rate (what
 is left is a burst draining); a queue that grows old again soon after it stood stands at once, for an
 overload that goes on is not a new burst. The signal is the age of the oldest input still waiting,
-counted from its request's head arriving (the wait before admission included), not the minimum sojourn
-of dispatched inputs: fair queuing sends a fresh query ahead of a backlog, so the minimum sojourn stays
-low under a flood that never drains. The arrival rate is what tells a burst from overload once the burst
-has arrived: both look alike while they arrive. A standing queue that a dispatch has just emptied while
-the model still computes has not drained: under shedding the next batch takes everything admitted, and
-leaving the regime then would admit a whole interval's burst before it stands again, every time. The
-admission rules for each regime are in :mod:`.admit`.
+counted from its request's head arriving (the wait before admission included), not the minimum
+sojourn of dispatched inputs: fair queuing sends a fresh query ahead of a backlog, so the minimum
+sojourn stays low under a flood that never drains. The arrival rate is what tells a burst from
+overload once the burst has arrived: both look alike while they arrive. The admission rules for each
+regime are in :mod:`.admit`.
 
 **Retry-After that works.** A refused caller is told to come back when the queue will have drained
 to half of what the regime admits, and callers refused together are told to come back one after the
@@ -85,15 +83,11 @@ class Regime:
             waiting.popleft()
         return now - waiting[0].arrival if waiting else None
 
-    def observe(self, now: float, busy: bool = False) -> bool:
-        """Update the regime from the queue as it is at ``now`` (after admissions and dispatches) and
-        whether the model is still computing (``busy``); returns whether it is standing."""
+    def observe(self, now: float) -> bool:
+        """Update the regime from the queue as it is at ``now`` (after admissions and dispatches);
+        returns whether it is standing."""
         age = self.head_age(now)
-        if age is None and busy:
-            # Nothing waits because the batch now running took all of it: under sustained overload
-            # that is every batch, so it is no sign of draining (arrivals falling below capacity is).
-            self._above_since = None
-        elif age is None:  # nothing waits and nothing runs: whatever stood has drained
+        if age is None:  # nothing waits: whatever stood has drained
             self._above_since = None
             if self.standing:
                 self.standing = False
@@ -120,11 +114,6 @@ class Regime:
 class RetryPacer:
     """Retry-After for refused callers, so that those who honour it are admitted on their retry."""
 
-    # Callers are told to come back a little slower than the model serves them: returning at exactly its
-    # rate, their retries alone would look like arrivals that keep up with the model, and keep a
-    # draining queue standing (and refusing them again).
-    SPACING = 1.1
-
     def __init__(self, longest_s: float) -> None:
         self.longest_s = longest_s  # never tell a caller to wait longer than this
         self._horizon = 0.0  # when the last caller told to come back was told to
@@ -133,5 +122,5 @@ class RetryPacer:
         """Seconds a caller refused at ``now`` should wait: until ``room_in_s`` from now (when the
         queue will have room), and after everyone told before it, whose requests cost ``cost_s`` each."""
         at = max(now + max(room_in_s, 0.0), self._horizon)
-        self._horizon = min(at + cost_s * self.SPACING, now + self.longest_s)
+        self._horizon = min(at + cost_s, now + self.longest_s)
         return self._horizon - now

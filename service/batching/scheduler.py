@@ -147,8 +147,7 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Entry]] = []  # heap of entries that have one
         self._seq = itertools.count()
         self.admission = Admitter(
-            config.admission(), self._queue, cost, padded_cost, lambda now: max(0.0, self.busy_until - now),
-            lambda: self.inflight > 0,
+            config.admission(), self._queue, cost, padded_cost, lambda now: max(0.0, self.busy_until - now)
         )
         self.regime = self.admission.regime
 
@@ -228,7 +227,7 @@ class Scheduler:
         """
         expired, shed = self._drop_hopeless(now)
         step = self._next(now, expired, shed)
-        self.regime.observe(now, self.inflight > 0)
+        self.regime.observe(now)
         return step
 
     def _next(self, now: float, expired: list[Entry], shed: list[Entry]) -> Step:
