@@ -499,7 +499,7 @@ async def test_bursts_of_mixed_requests_answer_under_workers_2_exactly_as_in_one
     one, two = replica(1, ["--cache-mb", "0"]), replica(2, ["--cache-mb", "0"])
     await wait_ready(one.url, one.proc)
     await wait_all_gateways(two)
-    requests = []
+    requests: list[tuple[str, dict[str, Any]]] = []
     for i in range(40):
         if i % 4 == 0:
             requests.append(("/embed", {"inputs": [f"pair {i} first", f"pair {i} second, longer"]}))
