@@ -10,6 +10,7 @@ that id raise. It runs in-process only (its tokenizer is not a real one a gatewa
 (multi-process tests): the packaged model's real tokenizer with a forward that sleeps 200 ms per batch
 and answers the same unit vector, so queues build up on demand and a gateway can tokenise. With
 ``SLOW_MINILM_GATE=PATH`` in its environment, a test holds its device across processes (``FileGate``).
+``slow_echo`` is the same whose row for a sequence is its ids, so a test sees whose rows it got.
 """
 
 from __future__ import annotations
@@ -195,11 +196,37 @@ class SlowForward:
 
 def slow_minilm(spec: Any) -> SlowForward:
     """``--runner-factory tests.fakes:slow_minilm``: the packaged model's tokenizer, 200 ms a batch."""
+    return _slow(SlowForward, spec)
+
+
+def _slow(cls: type[SlowForward], spec: Any) -> Any:
     from coalesce.kernels.loader import RunnerOptions, load_runner
 
     gate = os.environ.get("SLOW_MINILM_GATE")
     runner = load_runner(spec.path, spec.name, RunnerOptions(device="cpu"))
-    return SlowForward(runner, 0.2, Path(gate) if gate else None)
+    return cls(runner, 0.2, Path(gate) if gate else None)
+
+
+class SlowEcho(SlowForward):
+    """``SlowForward`` whose row for a sequence is its ids (then zeros): whose rows a caller got shows."""
+
+    def prepare(self, batch: Sequence[Sequence[int]]) -> Any:
+        return [list(ids) for ids in batch]
+
+    def forward(self, prepared: Any) -> Any:
+        super().forward(len(prepared))
+        return prepared
+
+    def finish(self, output: Any, prepared: Any) -> np.ndarray:
+        rows = np.zeros((len(output), self.info.dim), dtype=np.float32)
+        for row, ids in zip(rows, output, strict=True):
+            row[: len(ids)] = ids
+        return rows
+
+
+def slow_echo(spec: Any) -> SlowEcho:
+    """``--runner-factory tests.fakes:slow_echo``: ``slow_minilm`` whose rows echo the ids."""
+    return _slow(SlowEcho, spec)
 
 
 @dataclass

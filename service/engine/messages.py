@@ -2,15 +2,17 @@
 
 Each gateway has its own pair of ZeroMQ DEALER sockets with the engine (``ipc://`` in a private
 directory). A message is a multipart ZeroMQ message: frame 0 is one of the msgspec Structs below,
-msgpack-encoded; arrays follow as raw frames, never inside the encoding:
+msgpack-encoded; arrays follow as raw frames, never inside the encoding, one frame per message however
+many requests it carries (a frame costs each side a few microseconds to send and receive: per request,
+that was the largest share of both processes' CPU once the model costs nothing):
 
-* ``Submit`` carries one int32 frame per request: the sequences' lengths, then (for marked sequences:
-  text pairs, prompts left out of pooling, windows of long inputs) where each one's second segment and
-  its pooling start, and whether its row comes back unnormalised (1) or not (0), then every token id,
-  concatenated;
-* ``Results`` carries one float32 frame per finished request: its rows, ``n × dim``, in input order
-  (one row per sequence, or for a ``tokens`` job one per token, which the gateway splits by the
-  lengths it sent).
+* ``Submit`` carries one int32 frame: each request's ids back to back, ``Submit.sizes[i]`` of them for
+  ``jobs[i]``. A request's ids are its sequences' lengths, then (for marked sequences: text pairs,
+  prompts left out of pooling, windows of long inputs) where each one's second segment and its pooling
+  start, and whether its row comes back unnormalised (1) or not (0), then every token id, concatenated;
+* ``Results`` carries one float32 frame: each finished request's rows, ``n × dim``, back to back in the
+  order of ``done``, in input order (one row per sequence, or for a ``tokens`` job one per token,
+  which the gateway splits by the lengths it sent).
 
 Gateway → engine: ``Hello`` (once connected), ``Submit`` (requests of one event-loop turn), ``Cancel``
 (callers that left or ran out of time). Engine → gateway: ``Welcome`` (the served models, once
@@ -78,7 +80,8 @@ class Job(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
-    jobs: list[Job]  # one int32 frame each
+    jobs: list[Job]
+    sizes: list[int]  # int32 values of each job in the message's one frame, in order
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):
@@ -122,7 +125,7 @@ class Queue(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Results(msgspec.Struct, frozen=True, tag=True):
-    done: list[Done]  # one float32 frame each, in this order
+    done: list[Done]  # their rows back to back in the message's one float32 frame, in this order
     failed: list[Failed]
     queues: list[Queue]  # per model, by index
 
@@ -156,6 +159,16 @@ def pack_job(seqs: Sequence[Sequence[int]]) -> tuple[bool, bytes]:
         head = lengths + [b for b, _ in pairs] + [p for _, p in pairs] + [int(is_raw(s)) for s in seqs]
     flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=sum(lengths))
     return marked, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
+
+
+def split_frame(sizes: Sequence[int], frame: Any, itemsize: int = 4) -> list[memoryview]:
+    """``frame`` cut into consecutive pieces of ``sizes`` items (views, no copy); raises
+    :class:`ProtocolError` unless the sizes account for the frame exactly."""
+    view = memoryview(frame).cast("B")
+    if any(size < 0 for size in sizes) or sum(sizes) * itemsize != view.nbytes:
+        raise ProtocolError(f"{len(sizes)} pieces of {sum(sizes)} items in a frame of {view.nbytes} bytes")
+    ends = [end * itemsize for end in itertools.accumulate(sizes)]
+    return [view[a:b] for a, b in zip([0, *ends], ends, strict=False)]
 
 
 def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:

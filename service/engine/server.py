@@ -102,11 +102,17 @@ class GatewayLink:
         self._send([wire.encoder.encode(wire.Refused(reason))])
 
     def _submit(self, msg: wire.Submit, frames: list[zmq.Frame]) -> None:
-        if len(frames) != len(msg.jobs):
-            self._refuse(f"{len(msg.jobs)} jobs with {len(frames)} frames")
+        if len(frames) != 1 or len(msg.sizes) != len(msg.jobs):
+            self._refuse(f"{len(msg.jobs)} jobs of {len(msg.sizes)} sizes with {len(frames)} frames "
+                         "(one frame holds them all)")
+            return
+        try:
+            pieces = wire.split_frame(msg.sizes, frames[0].buffer)
+        except wire.ProtocolError as exc:
+            self._refuse(str(exc))
             return
         models = self._engine.models
-        for job, frame in zip(msg.jobs, frames, strict=True):
+        for job, piece in zip(msg.jobs, pieces, strict=True):
             try:
                 if self._offers is None:
                     raise Unavailable("The models are still loading; retry shortly.", retry_after=2,
@@ -116,7 +122,7 @@ class GatewayLink:
                 model = models[job.model]
                 if job.tokens and not model.info.token_embeddings:
                     raise wire.ProtocolError(f"job {job.id}: model {job.model} returns no token embeddings")
-                seqs = wire.unpack_job(job, frame.buffer, model.info)
+                seqs = wire.unpack_job(job, piece, model.info)
                 fut = model.batcher.submit(
                     seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline,
                     kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED, arrived=job.arrived or None,
@@ -162,9 +168,9 @@ class GatewayLink:
         now = time.monotonic()
         queues = [_queue(m.batcher.scheduler, now) for m in self._engine.models]
         msg = wire.Results(self._done, self._failed, queues)
-        frames = self._frames
+        rows = b"".join(self._frames)
         self._done, self._failed, self._frames = [], [], []
-        self._send([wire.encoder.encode(msg), *frames])
+        self._send([wire.encoder.encode(msg), rows])
         if now - self._captured_at >= _CAPTURE_EVERY_S:
             self._captured_at = now
             self._engine.record_capture()

@@ -26,7 +26,7 @@ from ..batching.batcher import RequestResult
 from ..engine import messages as wire
 from ..engine.channel import Link
 from ..engine.core import scheduler_config
-from ..errors import Unavailable
+from ..errors import InferenceFailed, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import Settings
@@ -136,7 +136,8 @@ class EngineClient:
         if self._lost is not None:
             return
         if self._jobs:
-            parts = [wire.encoder.encode(wire.Submit(self._jobs)), *self._frames]
+            sizes = [len(frame) >> 2 for frame in self._frames]
+            parts = [wire.encoder.encode(wire.Submit(self._jobs, sizes)), b"".join(self._frames)]
             self._jobs, self._frames = [], []
             self._send(parts)
         if self._cancels:
@@ -164,10 +165,18 @@ class EngineClient:
     def _results(self, msg: wire.Results, frames: Sequence[zmq.Frame]) -> None:
         self._queues, self._queues_at = msg.queues, time.monotonic()
         waiting = self._waiting
-        for done, frame in zip(msg.done, frames, strict=True):
+        try:
+            pieces = wire.split_frame([d.n * d.dim for d in msg.done], frames[0].buffer if frames else b"")
+        except wire.ProtocolError as exc:  # the engine and this gateway disagree: loud, not fatal
+            log.error("engine_message_refused", error=str(exc))
+            err = InferenceFailed(f"The model engine sent rows this gateway cannot read: {exc}")
+            lost = [wire.Failed(d.id, wire.failure(err)) for d in msg.done]
+            msg = wire.Results([], [*msg.failed, *lost], msg.queues)
+            pieces = []
+        for done, piece in zip(msg.done, pieces, strict=True):
             fut = waiting.get(done.id)
             if fut is not None and not fut.done():
-                rows = np.frombuffer(frame.buffer, dtype=np.float32).reshape(done.n, done.dim)
+                rows = np.frombuffer(piece, dtype=np.float32).reshape(done.n, done.dim)
                 fut.set_result(RequestResult(rows, done.queue_s, done.forward_s, done.batches))
         for failed in msg.failed:
             fut = waiting.get(failed.id)

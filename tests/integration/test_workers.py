@@ -317,23 +317,29 @@ async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_
         await sock.send(b"\x93not a message")
         refused, _ = await reply()
         assert isinstance(refused, wire.Refused) and "undecodable" in refused.reason
-        no_frames = {"type": "Submit", "jobs": [[1, 0, 1, False, "t", 1.0, 1, 0.0]]}
+        no_frames = {"type": "Submit", "jobs": [[1, 0, 1, False, "t", 1.0, 1, 0.0]], "sizes": [4]}
         await sock.send(msgspec.msgpack.encode(no_frames))
         refused, _ = await reply()
         assert isinstance(refused, wire.Refused) and "frames" in refused.reason
+        short = wire.Submit([wire.Job(1, 0, 1, False, "t", 1.0, 1, 0.0)], [5])  # 5 ids in a frame of 4
+        await sock.send_multipart([wire.encoder.encode(short), np.array([3, 101, 7592, 102], np.int32)])
+        refused, _ = await reply()
+        assert isinstance(refused, wire.Refused) and "in a frame of 16 bytes" in refused.reason
 
         deadline = time.monotonic() + 30
         bad = wire.Job(2, 0, 1, False, "default", 1.0, 1, deadline)
         good = wire.Job(3, 0, 1, False, "default", 1.0, 1, deadline)
         frame_bad = np.array([3, 101, 10**7, 102], dtype=np.int32).tobytes()  # an id past the vocabulary
         frame_good = np.array([3, 101, 7592, 102], dtype=np.int32).tobytes()
-        await sock.send_multipart([wire.encoder.encode(wire.Submit([bad, good])), frame_bad, frame_good])
+        both = wire.Submit([bad, good], [4, 4])
+        await sock.send_multipart([wire.encoder.encode(both), frame_bad + frame_good])
         seen: dict[int, Any] = {}
         while len(seen) < 2:
             results, frames = await reply()
             seen.update({f.id: f.error for f in results.failed})
-            seen.update({d.id: np.frombuffer(fr, dtype=np.float32) for d, fr in zip(results.done, frames,
-                                                                                     strict=True)})
+            pieces = wire.split_frame([d.n * d.dim for d in results.done], frames[0])
+            seen.update({d.id: np.frombuffer(p, dtype=np.float32) for d, p in zip(results.done, pieces,
+                                                                                   strict=True)})
         assert seen[2].code == "protocol_error" and "vocabulary" in seen[2].message
         assert seen[3].shape == (384,), "the engine still serves after refusing garbage"
         assert proc.poll() is None
@@ -344,7 +350,7 @@ async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_
         _, err = proc.communicate(timeout=30)
     log = err.decode()
     assert proc.returncode == 0
-    assert log.count("gateway_message_refused") == 2 and "gateway_job_refused" in log
+    assert log.count("gateway_message_refused") == 3 and "gateway_job_refused" in log
 
 
 async def test_a_supervisor_killed_outright_takes_its_engine_and_gateways_with_it(replica: Any) -> None:
@@ -361,3 +367,159 @@ async def test_a_supervisor_killed_outright_takes_its_engine_and_gateways_with_i
     left = [pid for pid in children if Path(f"/proc/{pid}/stat").exists()
             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert left == [], "no engine or gateway may outlive its supervisor"
+
+
+class _RawGateway:
+    """A gateway's socket to an engine started alone, spoken to directly: whole bulk messages, exactly
+    as a gateway sends them, and every reply read back."""
+
+    def __init__(self, engine_dir: Path) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        from coalesce.service.engine import messages as wire
+
+        self.wire = wire
+        self.sock.connect(wire.endpoint(str(engine_dir), 0))
+
+    async def reply(self) -> Any:
+        parts = await asyncio.wait_for(self.sock.recv_multipart(), 60)
+        return self.wire.gateway_decoder.decode(parts[0]), parts[1:]
+
+    async def hello(self) -> Any:
+        await self.sock.send(self.wire.encoder.encode(self.wire.Hello(0, os.getpid())))
+        welcome, _ = await self.reply()
+        return welcome
+
+    async def submit(self, jobs: dict[int, list[list[int]]]) -> None:
+        """One Submit holding every job of ``jobs`` (id → its token-id sequences)."""
+        wire, deadline = self.wire, time.monotonic() + 60
+        packed = {i: wire.pack_job(seqs) for i, seqs in jobs.items()}
+        msg = wire.Submit([wire.Job(i, 0, len(jobs[i]), marked, "default", 1.0, 1, deadline)
+                           for i, (marked, _) in packed.items()],
+                          [len(frame) // 4 for _, frame in packed.values()])
+        await self.sock.send_multipart([wire.encoder.encode(msg), b"".join(f for _, f in packed.values())])
+
+    async def answers(self, ids: set[int], seen: dict[int, Any]) -> None:
+        """Read replies into ``seen`` (id → rows, or the refusal) until every one of ``ids`` is there."""
+        while not ids <= seen.keys():
+            results, frames = await self.reply()
+            seen.update({f.id: f.error for f in results.failed})
+            pieces = self.wire.split_frame([d.n * d.dim for d in results.done], frames[0])
+            for d, piece in zip(results.done, pieces, strict=True):
+                seen[d.id] = np.frombuffer(piece, dtype=np.float32).reshape(d.n, d.dim)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _engine_alone(engine_dir: Path) -> subprocess.Popen[bytes]:
+    """An engine with no gateway process, gated (``slow_echo``: each row is its sequence's ids)."""
+    engine_dir.mkdir()
+    return subprocess.Popen(
+        [sys.executable, "-m", "coalesce.service.cli", "serve", "--role", "engine", "--engine-dir",
+         str(engine_dir), "--workers", "1", "--cache-mb", "0", "--runner-factory", "tests.fakes:slow_echo",
+         "--max-queue-wait-ms", "0"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+async def test_a_bulk_message_is_answered_request_by_request_and_a_cancel_in_its_middle_drops_one(
+    tmp_path: Path, gate: FileGate
+) -> None:
+    """Ten requests in one message come back to the right ids with the right rows; the one cancelled in
+    the middle of the message is never answered; a gateway that dies with a bulk message queued has all
+    of it dropped, and the engine serves the next gateway."""
+    from coalesce.kernels.tokens import TokenizerAdapter
+
+    proc = _engine_alone(tmp_path / "engine")
+    raw = _RawGateway(tmp_path / "engine")
+    try:
+        welcome = await raw.hello()
+        tokens = TokenizerAdapter.from_spec(welcome.models[0].tokenizer)
+        texts = {i: [f"bulk request {i} asks about topic {i * 7}"] for i in range(1, 11)}
+        texts[6] = ["a request of two inputs", "its second input, longer than its first one"]
+        gate.hold()
+        try:
+            await raw.submit({100: tokens.tokenize(["holds the device"])})
+            await gate.wait_entered()
+            await raw.submit({i: tokens.tokenize(t) for i, t in texts.items()})
+            await raw.sock.send(raw.wire.encoder.encode(raw.wire.Cancel([5])))
+            await asyncio.sleep(0.5)  # the cancel is read while every request still waits
+        finally:
+            gate.release()
+        seen: dict[int, Any] = {}
+        await raw.answers({100, *texts} - {5}, seen)
+        assert 5 not in seen, "the cancelled request is never answered"
+        for i, t in texts.items():
+            if i != 5:  # each request's rows are its own sequences' (echoed ids), in its order
+                ids = tokens.tokenize(t)
+                assert seen[i].shape == (len(t), 384), i
+                assert [row[: len(s)].tolist() for row, s in zip(seen[i], ids, strict=True)] == ids, i
+
+        gate.hold()
+        try:
+            await raw.submit({200: tokens.tokenize(["holds the device again"])})
+            await gate.wait_entered()
+            bulk = {i: tokens.tokenize([f"never computed {i}"]) for i in range(201, 209)}
+            bulk[209] = [[101, 10**7, 102]]  # malformed: refused at once, so the bulk was surely read
+            await raw.submit(bulk)
+            refused: dict[int, Any] = {}
+            await raw.answers({209}, refused)
+            assert refused[209].code == "protocol_error"
+            raw.close()  # the gateway dies with 8 requests queued and one on the device
+            await asyncio.sleep(1.0)
+        finally:
+            gate.release()
+        raw = _RawGateway(tmp_path / "engine")
+        await raw.hello()
+        await raw.submit({1: tokens.tokenize(["the next gateway"])})
+        again: dict[int, Any] = {}
+        await raw.answers({1}, again)
+        assert again[1].shape == (1, 384)
+    finally:
+        raw.close()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    log = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    lost = [e for e in log if e["event"] == "gateway_lost"]
+    assert [e["dropped_requests"] for e in lost] == [9], log
+
+
+async def test_bursts_of_mixed_requests_answer_under_workers_2_exactly_as_in_one_process(
+    replica: Any
+) -> None:
+    """Many concurrent requests, so each gateway sends them in bulk and gets them back in bulk: every
+    answer is the one a single process gives for the same request."""
+    one, two = replica(1, ["--cache-mb", "0"]), replica(2, ["--cache-mb", "0"])
+    await wait_ready(one.url, one.proc)
+    await wait_all_gateways(two)
+    requests: list[tuple[str, dict[str, Any]]] = []
+    for i in range(40):
+        if i % 4 == 0:
+            requests.append(("/embed", {"inputs": [f"pair {i} first", f"pair {i} second, longer"]}))
+        elif i % 4 == 1:
+            requests.append(("/v1/embeddings", {"model": MODEL, "input": [f"text {i}", f"more text {i}"]}))
+        else:
+            requests.append(("/v1/embeddings", {"model": MODEL, "input": f"a query number {i} here"}))
+
+    async def burst(url: str) -> list[np.ndarray]:
+        async with aiohttp.ClientSession() as s:
+
+            async def post(route: str, body: dict[str, Any]) -> np.ndarray:
+                async with s.post(url + route, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    got = await resp.json()
+                rows = got if route == "/embed" else [d["embedding"] for d in got["data"]]
+                return np.asarray(rows, dtype=np.float32)
+
+            return await asyncio.gather(*(post(route, body) for route, body in requests))
+
+    for a, b in zip(await burst(one.url), await burst(two.url), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=2e-5)

@@ -32,6 +32,24 @@ def test_sequences_and_their_marks_round_trip() -> None:
     assert all(isinstance(s, MarkedIds) for s in got)
 
 
+def test_one_frame_carries_every_job_of_a_message() -> None:
+    jobs = [[[1, 5, 2]], [PairIds([1, 5, 2, 6, 2], 3)], [[1, 2], [1, 9, 9, 2]]]
+    packed = [wire.pack_job(seqs) for seqs in jobs]
+    sizes = [len(frame) // 4 for _, frame in packed]
+    pieces = wire.split_frame(sizes, b"".join(frame for _, frame in packed))
+    got = [wire.unpack_job(_job(len(seqs), marked), piece, INFO)
+           for seqs, (marked, _), piece in zip(jobs, packed, pieces, strict=True)]
+    assert [[list(s) for s in seqs] for seqs in got] == [[list(s) for s in seqs] for seqs in jobs]
+    assert marks(got[1][0]) == (3, 0)
+    assert wire.split_frame([], b"") == []  # a reply that refuses every request carries no rows
+
+
+@pytest.mark.parametrize(("sizes", "nbytes"), [([3, 2], 16), ([3, 2], 24), ([3, -1], 8), ([], 4)])
+def test_sizes_that_do_not_account_for_the_frame_are_refused(sizes: list[int], nbytes: int) -> None:
+    with pytest.raises(wire.ProtocolError, match="in a frame of"):
+        wire.split_frame(sizes, bytes(nbytes))
+
+
 @pytest.mark.parametrize(
     ("frame", "n", "why"),
     [
