@@ -4,8 +4,8 @@ still works across gateways.
 * Null model (``coalesce.loadtests.nullmodel``: the real service, forward replaced by a constant; no
   result cache), open loop at 1,200 requests/s and at saturation (16 closed-loop clients): CPU µs per
   request of the engine process and of the gateway processes, beside one process (``--workers 1``)
-  and the aiohttp stub (``coalesce.loadtests.stub``) under the same load; from those, the ceiling of one engine and of a
-  16-core host.
+  and the aiohttp stub (``coalesce.loadtests.stub``) under the same load; from those, the ceiling of
+  one engine and of a 16-core host.
 * The real model, 32 closed-loop clients: ``--workers 2`` against ``--workers 1`` and against the
   in-process sentence-transformers rate at its best batch size, throughput and mean batch size (one
   queue per model in the engine: batches must not shrink as gateways are added).

@@ -139,8 +139,8 @@ async def test_sustained_overload_is_refused_at_once_and_the_regime_recovers(
     answers = load.result()
     assert seen_standing
     # Bulk uploads' heads while the queue stands: those the standing queue refuses are refused from the
-    # head alone, so their callers need not send the megabyte. Had the server waited for the bodies, no head would have been answered (408 only after
-    # --body-timeout-s, 30 s).
+    # head alone, so their callers need not send the megabyte. Had the server waited for the bodies, no
+    # head would have been answered (408 only after --body-timeout-s, 30 s).
     refused = [a for a in unread if a is not None]
     assert refused and {a.status for a in refused} == {429}
     assert all(a.json()["error"]["code"] == "overloaded" and int(a.headers["retry-after"]) >= 1
