@@ -11,8 +11,9 @@ Precision (:func:`choose_precision`): ``--dtype auto`` asks for bfloat16 where t
 float32`` or ``bfloat16`` force it (bfloat16 on a CPU without it runs float32, logged). A reduced
 precision must earn its place at warm-up: the first batch of the calibration corpus is embedded in it
 and compared with float32 rows (the export's stored ones, or a float32 compile of the same graph); a
-model whose rows drift past :data:`MIN_COSINE` (logits past :data:`MAX_LOGIT_ERROR`) is recompiled in
-float32 and says so in the log. ``/info``'s ``model_dtype`` names the precision that serves.
+model whose rows drift past :data:`.precision.BF16_MIN_COSINE` (the torch runners' bound; logits past
+:data:`MAX_LOGIT_ERROR`) is recompiled in float32 and says so in the log. ``/info``'s ``model_dtype``
+names the precision that serves.
 
 Compiled models are cached (OpenVINO's ``CACHE_DIR``; :func:`default_cache_dir`), so a restart reads the
 compiled blob instead of compiling again. Construction compiles; only the model thread may call
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import calibration
+from . import calibration, precision
 from .onnx_runner import (
     GRAPH_FILE,
     ExportManifest,
@@ -46,7 +47,6 @@ from .protocol import ModelInfo, Task
 log = logging.getLogger("coalesce.kernels")
 
 CACHE_FOLDER = "openvino_cache"  # in the export directory, when it is writable
-MIN_COSINE = 0.999  # a reduced precision's rows against float32's, every row (measured: >= 0.99995)
 MAX_LOGIT_ERROR = 0.01  # classifiers: the largest logit difference, relative to the largest logit
 GUARD_ROWS = calibration.BATCH  # the first batch of the calibration corpus
 
@@ -218,11 +218,8 @@ class OpenVinoPairRunner(OpenVinoRunner, OnnxPairRunner):
 def _drift(ours: np.ndarray, reference: np.ndarray, task: Task) -> tuple[float, float, str]:
     """How far ``ours`` is from float32 ``reference``, as a number that must stay at most its limit:
     1 - the smallest row cosine for embeddings, the largest relative logit error for scores."""
-    if task is Task.EMBED:
-        cos = (ours * reference).sum(1) / (
-            np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1) + 1e-12
-        )
-        return 1.0 - float(cos.min()), 1.0 - MIN_COSINE, "cosine"
+    if task is Task.EMBED:  # the torch runners' guard: one bound for a reduced precision on the CPU
+        return 1.0 - precision.min_cosine(ours, reference), 1.0 - precision.BF16_MIN_COSINE, "cosine"
     error = float(np.abs(ours - reference).max()) / max(1.0, float(np.abs(reference).max()))
     return error, MAX_LOGIT_ERROR, "logit error"
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from coalesce.kernels import openvino_runner
+from coalesce.kernels import openvino_runner, precision
 from coalesce.kernels.loader import RunnerOptions, load_runner
 from coalesce.kernels.onnx_runner import load_onnx_runner
 from coalesce.kernels.openvino_runner import (
@@ -72,7 +72,7 @@ def test_openvino_matches_sentence_transformers(
     runner.warmup()
     assert isinstance(runner, OpenVinoRunner) and runner.info.dim == 384
     ours, reference = _embed(runner, MIXED), st_model.encode(MIXED)
-    floor = COSINE_F32 if runner.info.dtype == "float32" else openvino_runner.MIN_COSINE
+    floor = COSINE_F32 if runner.info.dtype == "float32" else precision.BF16_MIN_COSINE
     assert _cosines(ours, reference).min() >= floor
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-3)
     alone = np.concatenate([_embed(runner, [t]) for t in MIXED])
@@ -119,7 +119,7 @@ def test_a_model_that_drifts_in_bf16_falls_back_to_float32_and_logs_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A guard stricter than any reduced precision can meet stands in for a model that drifts."""
-    monkeypatch.setattr(openvino_runner, "MIN_COSINE", 1.5)
+    monkeypatch.setattr(precision, "BF16_MIN_COSINE", 1.5)
     runner = load_openvino_runner(str(exports["minilm"]), name=None, cache_dir=str(tmp_path),
                                   core=_Core(["FP32", "BF16"]))
     assert runner.info.dtype == "bfloat16"

@@ -72,14 +72,15 @@ def test_asking_for_openvino_where_it_is_not_installed_says_how_to_get_it(
 
 
 def test_the_guard_measures_drift_as_the_worst_row() -> None:
-    from coalesce.kernels.openvino_runner import MAX_LOGIT_ERROR, MIN_COSINE, _drift
+    from coalesce.kernels.openvino_runner import MAX_LOGIT_ERROR, _drift
+    from coalesce.kernels.precision import BF16_MIN_COSINE
     from coalesce.kernels.protocol import Task
 
     rng = np.random.default_rng(0)
     reference = rng.normal(size=(8, 16)).astype(np.float32)
     close = reference + 1e-3 * rng.normal(size=reference.shape).astype(np.float32)
     drift, limit, _ = _drift(close, reference, Task.EMBED)
-    assert drift <= limit == pytest.approx(1 - MIN_COSINE)
+    assert drift <= limit == pytest.approx(1 - BF16_MIN_COSINE)
     one_row_off = close.copy()
     one_row_off[5] = rng.normal(size=16)  # a single row that drifted fails the model
     assert _drift(one_row_off, reference, Task.EMBED)[0] > limit
