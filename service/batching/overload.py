@@ -118,8 +118,8 @@ class RetryPacer:
     # Callers are told to come back a quarter slower than the model is predicted to serve them: batch
     # times vary (padding, the CPU others take), and callers told to come back at exactly the predicted
     # rate arrive, whenever the model runs late, into a queue that stands again and refuses their last
-    # retry (in the simulator with ±15% batch times, 138 of 60,000 burst callers failed after two
-    # retries at 1.0×, 2 at 1.1×, none at 1.25×, for a 7% longer burst).
+    # retry (tests/unit/test_overload.py: simulated bursts with ±15% batch times lose callers after two
+    # retries at 1.0×, none at 1.25×).
     SPACING = 1.25
 
     def __init__(self, longest_s: float) -> None:
