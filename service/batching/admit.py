@@ -30,7 +30,7 @@ from typing import Literal
 
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, Entry, FairQueue
-from .overload import Regime, RetryPacer
+from .overload import DrainPace, Regime, RetryPacer
 from .policy import PaddedCost
 
 Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
@@ -56,10 +56,11 @@ class Admitter:
         self._cost = cost
         self._padded_cost = padded_cost
         self._busy_s = busy_s
+        self._padding = 1.0  # padded ÷ real tokens of recent batches
+        self._pace = DrainPace()
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
-        self._pacer = RetryPacer(longest_s=max(config.burst_wait_s, 1.0))
-        self._padding = 1.0  # padded ÷ real tokens of recent batches
+        self._pacer = RetryPacer()
 
     @property
     def on(self) -> bool:
@@ -163,9 +164,7 @@ class Admitter:
         if verdict is None:
             return None
         reason, allowed, what = verdict
-        coef = self._cost.coef
-        cost = coef.per_token_s * total + coef.overhead_s * inputs / cfg.max_batch_size
-        retry = self._pacer.after(now, self.room_in(wait, allowed), cost)
+        retry = self._pacer.after(now, self.room_in(wait, allowed), total / self.regime.capacity)
         return Refusal(reason, f"{what}; retry in {retry:.3f} s.", retry)
 
     def room_in(self, wait: float, allowed: float) -> float:
@@ -183,7 +182,12 @@ class Admitter:
         result cannot come within ``max_queue_wait_s`` of their arrival if their batch starts at
         ``start`` (the next anchor's batch is sized to what it has left, so it is judged by its forward
         alone; the others by the batch they would ride in); otherwise those that waited past
-        ``burst_wait_s``. They are answered (429 ``late``), not computed late."""
+        ``burst_wait_s``. They are answered (429 ``late``), not computed late.
+
+        Except, under a standing queue, inputs of a priority class above the lowest one waiting: fair
+        order weights them ahead of that class, so the queue is hardly what made them late (a running
+        batch, a gateway busy refusing the flood is), and dropping them would refuse a ``high`` query
+        for a ``low`` flood's sake; the lowest class's inputs are what is dropped."""
         if not self.on or not waiting:
             return []
         cfg = self.config
@@ -192,24 +196,31 @@ class Admitter:
         anchor = waiting[0]
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
-        late = [e for e in waiting[1:] if e.lead and start - e.arrival > limit]
-        if anchor.lead and start - anchor.arrival > cfg.max_queue_wait_s - alone:
+        lowest = max(e.priority for e in waiting)
+        late = [e for e in waiting[1:] if e.lead and e.priority == lowest and start - e.arrival > limit]
+        anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
+        if anchor.lead and anchor.priority == lowest and anchor_late:
             late.insert(0, anchor)
         return late
 
     def late_retry(self, now: float, dropped: list[Entry]) -> list[float]:
         """Retry-After for each first input dropped as ``late``, one after the other."""
-        coef, room = self._cost.coef, self.room_in(self.drain_s(now), self.config.max_queue_wait_s)
-        each = coef.overhead_s / self.config.max_batch_size
-        return [self._pacer.after(now, room, coef.per_token_s * e.n_tokens + each) for e in dropped]
+        self.regime.capacity = rate = self.capacity()  # no admission may have updated it for a while
+        room = self.room_in(self.drain_s(now), self.config.max_queue_wait_s)
+        return [self._pacer.after(now, room, e.n_tokens / rate) for e in dropped]
 
     def capacity(self) -> float:
-        """Tokens per second the model serves in batches as full as the limits allow, of inputs like
-        those waiting (of 16 tokens when none waits)."""
+        """Real tokens per second the model serves in batches as full as the limits allow, of inputs
+        like those waiting (of 16 tokens when none waits), padded as recent batches were (refused
+        callers are paced on it, and a rate that forgot the padding brought them back faster than the
+        queue drains). From the forwards' predicted times: in the simulator, pacing and judging arrivals
+        on the measured drain pace (:class:`.overload.DrainPace`) instead kept a slow machine's queue
+        standing and lost burst callers that the forwards' rate let in."""
         queue = self._queue
         longest = max(queue.tokens // queue.items if queue.items else 16, 1)
-        n = self.config.max_batch_size
-        return n * longest / max(self._cost.predict(self._padded_cost(n, longest)), 1e-9)
+        n, coef = self.config.max_batch_size, self._cost.coef
+        seconds = coef.overhead_s + coef.per_token_s * self._padded_cost(n, longest) * self._padding
+        return n * longest / max(seconds, 1e-9)
 
     @property
     def batch_limit_s(self) -> float:
@@ -229,11 +240,13 @@ class Admitter:
         alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
         return min(full, max(alone, self.batch_limit_s))
 
-    def dispatched(self, tokens: int, padded: int) -> None:
-        """A batch of ``tokens`` real tokens ran as ``padded`` (the cost model's unit): predicted waits
-        count the queue's tokens as the recent batches padded them."""
+    def dispatched(self, tokens: int, padded: int, predicted_s: float, now: float) -> None:
+        """A batch of ``tokens`` real tokens ran as ``padded`` (the cost model's unit), predicted to take
+        ``predicted_s``, from ``now``: predicted waits count the queue's tokens as the recent batches
+        padded them, and as much slower than predicted as the backlog drains."""
         if tokens > 0:
             self._padding += 0.1 * (padded / tokens - self._padding)
+        self._pace.dispatched(predicted_s, now, self._queue.items > 0)
 
     def wait_s(self, ahead_tokens: int, now: float) -> float:
         """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) have
@@ -249,12 +262,15 @@ class Admitter:
     def _run_s(self, inputs: float, tokens: float) -> float:
         """Seconds to run ``inputs`` waiting inputs of ``tokens`` tokens: padded as recent batches
         were, in batches as large as the limits allow — under a standing queue, as large as fit
-        :attr:`batch_limit_s`."""
+        :attr:`batch_limit_s` — and as much slower than the forwards predict as the queue was last seen
+        to drain (a wait predicted from the forwards alone admitted a busy machine's burst to be dropped
+        as late, or refused again, when its time came)."""
         coef, size = self._cost.coef, self.config.max_batch_size
         if self.regime.standing and inputs:
             per_input = coef.per_token_s * self._padding * tokens / inputs
             size = max(1, min(size, int((self.batch_limit_s - coef.overhead_s) / max(per_input, 1e-9))))
-        return math.ceil(inputs / size) * coef.overhead_s + tokens * self._padding * coef.per_token_s
+        run = math.ceil(inputs / size) * coef.overhead_s + tokens * self._padding * coef.per_token_s
+        return run * self._pace.slowdown()
 
 
 def judge_wait(

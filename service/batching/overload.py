@@ -35,6 +35,11 @@ from typing import Protocol
 # tokenising at a time), so a shorter window sees gaps in a load that goes on; a burst that has ended
 # leaves it within this long.
 ARRIVAL_WINDOW_S = 0.25
+# A standing queue counts as a burst draining only once arrivals fall this far below the model's rate,
+# not at the rate itself: a window of a fraction of a second holds a handful of requests when the model
+# is slow, and arrivals near the rate (callers coming back as Retry-After paced them) would flip the
+# regime at every dispatch — admitting a burst's worth while good, dropping it as late while standing.
+LEAVE_BELOW = 0.9
 
 
 class _Waiting(Protocol):
@@ -87,6 +92,7 @@ class Regime:
     def observe(self, now: float) -> bool:
         """Update the regime from the queue as it is at ``now`` (after admissions and dispatches);
         returns whether it is standing."""
+        was = self.standing
         age = self.head_age(now)
         if age is None:  # nothing waits: whatever stood has drained
             self._above_since = None
@@ -105,11 +111,53 @@ class Regime:
             self.standing = self.standing or now - self._ended < self.MEMORY * self.interval_s
         elif now - self._above_since >= self.interval_s:
             self.standing = True
-        if self.standing and self.arrivals(now) < self.capacity:
+        if self.standing and self.arrivals(now) < self.capacity * (LEAVE_BELOW if was else 1.0):
             # Arrivals have fallen below what the model serves: what stands is a burst draining.
             self.standing = False
             self._ended = now
         return self.standing
+
+
+class DrainPace:
+    """How many times longer than its forwards predict a backlog takes to drain, from the batches
+    dispatched over the last :attr:`WINDOW_S` (None until it has seen enough of a backlog).
+
+    The cost model predicts a forward's time; a queue drains slower by whatever else the process and
+    the machine do between forwards — tokenising, answering and refusing callers, other programs on the
+    cores. On a busy 2-core machine a thousand-chunk burst drained at half the pace its forwards
+    predicted: its callers were admitted on a predicted wait of 10 s, dropped as late after 12, and
+    refused again on their retries. While inputs wait after every dispatch the model is never idle for
+    want of work, so the dispatches' pace is the drain's; a dispatch that leaves nothing waiting ends
+    the measurement (what follows is paced by arrivals, not by the model)."""
+
+    WINDOW_S = 2.0
+    MIN_SPAN_S = 0.5  # a backlog shorter than this says too little
+
+    def __init__(self) -> None:
+        self._runs: deque[tuple[float, float]] = deque()  # (when, predicted s) of dispatches in a backlog
+        self._predicted = 0.0  # their predicted seconds, the newest's excluded (it runs after the span)
+
+    def dispatched(self, predicted_s: float, now: float, backlog: bool) -> None:
+        """A batch predicted to take ``predicted_s`` was dispatched at ``now``; ``backlog``: inputs
+        still wait."""
+        runs = self._runs
+        if not backlog:
+            runs.clear()
+            self._predicted = 0.0
+            return
+        if runs:
+            self._predicted += runs[-1][1]
+        runs.append((now, predicted_s))
+        while len(runs) > 3 and runs[1][0] < now - self.WINDOW_S:
+            self._predicted -= runs.popleft()[1]
+
+    def slowdown(self) -> float:
+        """Measured drain time ÷ predicted, at least 1 (1 while too little is known)."""
+        runs = self._runs
+        span = runs[-1][0] - runs[0][0] if runs else 0.0
+        if len(runs) < 3 or span < self.MIN_SPAN_S or self._predicted <= 0:
+            return 1.0
+        return max(1.0, span / self._predicted)
 
 
 class RetryPacer:
@@ -121,8 +169,14 @@ class RetryPacer:
     # retry (tests/unit/test_overload.py: simulated bursts with ±15% batch times lose callers after two
     # retries at 1.0×, none at 1.25×).
     SPACING = 1.25
+    # Never tell a caller to come back later than this: the ``openai`` client honours a Retry-After of
+    # up to 60 s (two minutes in its 3.x releases) and beyond it backs off on its own (0.5–8 s) or
+    # gives up. No shorter: a bound below what a burst needs tells every caller past it the same
+    # instant, and they return as one wave that the queue refuses again (a thousand-chunk burst on a
+    # busy CPU, 50 s of work ahead, lost 600 callers after their two retries with the old 10 s bound).
+    LONGEST_S = 60.0
 
-    def __init__(self, longest_s: float) -> None:
+    def __init__(self, longest_s: float = LONGEST_S) -> None:
         self.longest_s = longest_s  # never tell a caller to wait longer than this
         self._horizon = 0.0  # when the last caller told to come back was told to
 

@@ -301,7 +301,7 @@ class Scheduler:
         elif batch[0].bulk:
             self._promoted_s = 0.0
         self._queue.take(batch, charge=True)
-        self.admission.dispatched(sum(e.n_tokens for e in batch), padded)
+        self.admission.dispatched(sum(e.n_tokens for e in batch), padded, predicted, now)
         self.inflight += 1
         self.busy_until = start + predicted
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)

@@ -122,6 +122,7 @@ class Queue(msgspec.Struct, frozen=True, array_like=True):
     waits: list[float] = msgspec.field(default_factory=list)  # Scheduler.waits, by priority class
     overhead_s: float = 0.0  # the cost model: a forward is overhead_s + per_token_s × padded tokens
     per_token_s: float = 0.0
+    capacity: float = 0.0  # tokens per second the model serves (Admitter.capacity): refusals are paced on it
 
 
 class Results(msgspec.Struct, frozen=True, tag=True):

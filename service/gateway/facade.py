@@ -276,7 +276,7 @@ class RemoteModel(ServedModel):
         self._bound = max_queued_tokens
         self._admission = admission
         self._gateways = gateways
-        self._pacer = RetryPacer(longest_s=max(admission.burst_wait_s, 1.0))
+        self._pacer = RetryPacer()
 
     @property
     def standing(self) -> bool:
@@ -304,8 +304,8 @@ class RemoteModel(ServedModel):
         if verdict is not None:
             reason, allowed, what = verdict
             # Each gateway paces its own refusals: one in N of the returning callers is its own.
-            one = queue.per_token_s * total + queue.overhead_s * inputs / cfg.max_batch_size
-            cost = one * self._gateways
+            cost = total / queue.capacity * self._gateways if queue.capacity > 0 else \
+                (queue.per_token_s * total + queue.overhead_s * inputs / cfg.max_batch_size) * self._gateways
             retry = self._pacer.after(now, wait - max(allowed, 0.0) / 2, cost)
             self._refuse(Refusal(reason, f"{what}; retry in {retry:.3f} s.", retry))
 

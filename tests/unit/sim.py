@@ -96,7 +96,12 @@ def simulate(
     seed: int = 0,
     horizon: float | None = None,
     measure_from: float = 0.0,
+    stall: float = 1.0,
 ) -> Result:
+    """Run ``arrivals`` through a scheduler of ``config`` against a model whose forward of ``padded``
+    tokens takes ``a + b·padded`` s (±``noise``). ``stall``: each batch holds the model ``stall`` times as
+    long as its forward, which is all the cost model is told (the rest is what the process and the
+    machine do between forwards: tokenising, answering, other programs on the cores)."""
     rng = random.Random(seed)
     sched = Scheduler(config, CostModel(), eager_cost)
     # Seed the cost model as the server's warm-up does.
@@ -142,7 +147,7 @@ def simulate(
         elif kind == "done":
             batch, padded, seconds = data  # type: ignore[misc]
             sched.done(padded, seconds, now)
-            res.batches.append(Batch(now - seconds, now, batch))
+            res.batches.append(Batch(now - seconds * stall, now, batch))
             for e in batch:
                 res.finished[e.flow] = now
                 if now >= measure_from:  # throughput: what completes inside the measured window
@@ -172,7 +177,7 @@ def simulate(
                 padded = decision.padded_tokens
                 seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise))
                 res.batch_sizes.append(len(batch))
-                push(now + seconds, "done", (batch, padded, seconds))
+                push(now + seconds * stall, "done", (batch, padded, seconds))
                 continue
             if isinstance(decision, Wait) and (wake_at is None or decision.until < wake_at):
                 wake_at = decision.until

@@ -10,7 +10,7 @@ import random
 import pytest
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
-from coalesce.service.batching.overload import Regime, RetryPacer
+from coalesce.service.batching.overload import DrainPace, Regime, RetryPacer
 from coalesce.service.batching.scheduler import Scheduler
 
 from .sim import Arrival, Result, poisson, simulate
@@ -97,6 +97,73 @@ def test_burst_callers_that_honour_retry_after_get_in_when_batches_run_late(gap:
             assert res.failed == [] and res.completed == 1000, (seed, a)
 
 
+@pytest.mark.parametrize("stall", [1.5, 2.0])
+def test_burst_callers_get_in_when_the_queue_drains_slower_than_the_forwards_predict(stall: float) -> None:
+    # A busy machine: between forwards the process tokenises, answers and refuses callers, and other
+    # programs take the cores, so the queue drains at a half or two thirds of what the cost model (told
+    # the forwards' times only) predicts. Every caller still gets in within its two retries (the
+    # openai client's).
+    for seed in range(3):
+        burst = own_flows([Arrival(i * 0.0015, TOKENS, retries=2) for i in range(1000)])
+        res = simulate(shedding(), burst, A, B, seed=seed, noise=0.15, stall=stall)
+        assert res.retried > 0
+        assert res.failed == [] and res.completed == 1000, (seed, len(res.failed))
+
+
+def test_the_drain_pace_is_measured_only_while_a_backlog_waits() -> None:
+    pace = DrainPace()
+    assert pace.slowdown() == 1.0
+    for k in range(5):  # batches predicted at 0.1 s dispatched every 0.25 s, inputs waiting after each
+        pace.dispatched(0.1, 0.25 * k, backlog=True)
+    assert pace.slowdown() == pytest.approx(2.5)
+    pace.dispatched(0.1, 1.25, backlog=False)  # the queue emptied: what follows is paced by arrivals
+    assert pace.slowdown() == 1.0
+    for k in range(2):
+        pace.dispatched(0.1, 2.0 + 0.1 * k, backlog=True)
+    assert pace.slowdown() == 1.0  # too short a backlog to tell
+    for k in range(40):  # later, as predicted: the window forgets the slow pace
+        pace.dispatched(0.1, 3.0 + 0.1 * k, backlog=True)
+    assert pace.slowdown() == pytest.approx(1.0)
+    for k in range(40):  # never faster than predicted: a batch cannot run in less than its forward
+        pace.dispatched(0.1, 8.0 + 0.05 * k, backlog=True)
+    assert pace.slowdown() == 1.0
+
+
+def test_predicted_waits_follow_the_pace_the_queue_drains_at() -> None:
+    cost = CostModel()
+    for n in (16, 256, 1024):
+        cost.observe(n, A + B * n)
+    s = Scheduler(shedding(), cost, lambda n, m: n * m)
+    s.add([Entry(TOKENS, 0.0, flow=i) for i in range(400)])
+    forward = cost.predict(32 * TOKENS)
+    capacity, wait = s.admission.capacity(), s.admission.drain_s(0.0)
+    for k in range(10):  # batches of 32 dispatched at half the pace their forwards predict
+        s._queue.take(s._queue.window(32), charge=True)
+        s.admission.dispatched(32 * TOKENS, 32 * TOKENS, forward, 2 * k * forward)
+    # The 80 inputs left are predicted to take twice what the forwards alone say; Retry-After is still
+    # paced on the forwards' rate (the simulator: pacing on the measured pace lost burst callers).
+    assert s.admission.drain_s(0.0) == pytest.approx(2 * wait * 80 / 400, rel=0.1)
+    assert s.admission.capacity() == pytest.approx(capacity)
+
+
+def test_a_standing_queue_stands_until_arrivals_fall_clearly_below_the_model_s_rate() -> None:
+    # Hysteresis: arrivals near the rate (callers paced back by Retry-After, a handful per window on a
+    # slow model) must not flip the regime at every dispatch.
+    regime = Regime(target_s=0.1, interval_s=0.5)
+    regime.capacity = 1000.0  # tokens per second
+    regime.add([Entry(16, 0.0)])
+    assert not regime.observe(0.2)  # old since 0.2
+    regime.asked(300, 0.6)
+    assert regime.observe(0.75)  # old for a whole interval, 1,200 tokens/s arriving: it stands
+    regime.asked(240, 0.85)
+    assert regime.observe(0.9)  # 960 tokens/s: below the rate, but not clearly: it still stands
+    assert not regime.observe(1.2)  # nothing for a window: a burst draining
+    regime.asked(240, 1.3)
+    assert not regime.observe(1.3)  # 960 tokens/s does not make it stand again...
+    regime.asked(60, 1.35)
+    assert regime.observe(1.35)  # ...1,200 does
+
+
 def test_a_low_priority_flood_does_not_refuse_high_priority_queries() -> None:
     rng = random.Random(5)
     flood = own_flows(poisson(3.0 * CAPACITY, 15.0, rng, tokens=TOKENS, priority=2))
@@ -134,6 +201,28 @@ def test_time_spent_before_admission_counts() -> None:
     assert late is not None and late.reason == "overloaded" and late.retry_after > 0
 
 
+def test_under_a_standing_queue_late_inputs_of_the_lowest_class_are_dropped_not_a_high_query() -> None:
+    # A high query that waited past the bound while a low flood stood (a long running batch, a gateway
+    # busy refusing the flood) is still computed; the flood's late inputs are answered 429 late.
+    cost = CostModel()
+    for n in (16, 256, 1024):
+        cost.observe(n, A + B * n)
+    s = Scheduler(shedding(), cost, lambda n, m: n * m)
+    for i in range(40):  # forty one-text requests of the flood, and one query
+        s.add([Entry(TOKENS, -1.0, flow=i, priority=2)])
+    s.add([Entry(TOKENS, -1.0, flow=99, priority=0)])
+    s.regime.observe(-0.6)
+    s.regime.asked(100_000, 0.0)
+    assert s.regime.observe(0.0)
+    window = s._queue.window(64)
+    late = s.admission.late(window, 0.0, 0.0)
+    assert len(late) == 40 and {e.priority for e in late} == {2}
+    # With no lower class waiting, a late high input is dropped like any other.
+    alone = s._queue.window(64)
+    s._queue.take([e for e in alone if e.priority == 2], charge=False)
+    assert [e.flow for e in s.admission.late(s._queue.window(64), 0.0, 0.0)] == [99]
+
+
 def test_the_regime_stands_only_after_a_whole_interval_of_an_old_queue_with_arrivals_going_on() -> None:
     regime = Regime(target_s=0.1, interval_s=0.5)
     regime.capacity = 1000.0  # tokens per second the model serves
@@ -161,3 +250,8 @@ def test_retry_after_spreads_the_refused_at_the_model_s_rate_and_stays_bounded()
     assert hints == sorted(hints) and hints[-1] == pytest.approx(2.25)
     assert max(pacer.after(0.0, 1.0, 1.0) for _ in range(100)) == pytest.approx(10.0)  # bounded
     assert pacer.after(100.0, 0.5, 0.01) == pytest.approx(0.5125)  # a new episode starts afresh
+    # By default the bound is a minute, not the burst bound: a burst of 50 s of work ahead is spread
+    # over that, not told "10 s" a thousand times over and back as one wave.
+    spread = RetryPacer()
+    hints = [spread.after(0.0, 0.0, 0.04) for _ in range(1000)]
+    assert len(set(hints)) == 1000 and hints[-1] == pytest.approx(50.0)
