@@ -26,8 +26,8 @@ FROM ${PYTHON_IMAGE} AS export
 # only runs the export here, but it is a 2 GB download. Set PyTorch's CPU wheel index to skip that.
 ARG TORCH_INDEX_URL=""
 ARG TORCH_SPEC="torch"
-# none: fp32, the same embeddings as torch. int8: a smaller graph, faster at large batches, at a
-# cosine of ~0.998 to fp32 (static: a text's vector does not depend on its batch).
+# none: fp32, the same embeddings as torch. int8: the later layers' attention in int8, at a recall@10 of
+# 0.975 and a cosine of ~0.9995 against fp32 (static: a text's vector does not depend on its batch).
 ARG QUANTIZE="none"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
