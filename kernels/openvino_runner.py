@@ -16,17 +16,23 @@ model whose rows drift past :data:`.precision.BF16_MIN_COSINE` (the torch runner
 names the precision that serves.
 
 Compiled models are cached (OpenVINO's ``CACHE_DIR``; :func:`default_cache_dir`), so a restart reads the
-compiled blob instead of compiling again. Construction compiles; only the model thread may call
+compiled blob instead of compiling again; the guard's measurement is kept in the same folder
+(:class:`GuardRecord`), so a restart on the same export, OpenVINO and CPU decides the precision from it
+instead of embedding and comparing again. Construction compiles; only the model thread may call
 ``forward``/``finish``/``warmup``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import sys
+import tempfile
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,7 @@ import numpy as np
 from . import calibration, precision
 from .onnx_runner import (
     GRAPH_FILE,
+    MANIFEST_FILE,
     ExportManifest,
     OnnxBatch,
     OnnxPairRunner,
@@ -49,6 +56,7 @@ log = logging.getLogger("coalesce.kernels")
 CACHE_FOLDER = "openvino_cache"  # in the export directory, when it is writable
 MAX_LOGIT_ERROR = 0.01  # classifiers: the largest logit difference, relative to the largest logit
 GUARD_ROWS = calibration.BATCH  # the first batch of the calibration corpus
+GUARD_PREFIX = "coalesce-guard-"  # in the compiled-model cache: one JSON file per guard key
 
 # OpenVINO's inference precision names ↔ how /info names a forward's precision.
 _DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -71,10 +79,32 @@ def new_core() -> Any:
     so it is set here (unless the caller set it), not at import. The one other environment write of the
     server, beside the allocator's own.
     """
-    import openvino as ov
-
+    ov = _import_openvino()
     os.environ.setdefault("TBB_ENABLE_SANITIZERS", "1")
     return ov.Core()
+
+
+def _import_openvino() -> Any:
+    """``import openvino`` without its model conversion tools (``openvino.tools.ovc``: ``convert_model``
+    and its telemetry set-up), which the package imports eagerly if it can and a server never calls: they
+    were two thirds of the import's time (0.45 of 0.67 s on a busy 2-core machine), paid before every
+    first embedding. A ``None`` in ``sys.modules`` makes that optional import fail the way OpenVINO
+    expects (it catches ImportError); the entry is removed again, so a later explicit import of the tools
+    in this process still works."""
+    if "openvino" in sys.modules:
+        import openvino as ov
+
+        return ov
+    tools = "openvino.tools.ovc"
+    blocked = tools not in sys.modules
+    if blocked:
+        sys.modules[tools] = None  # type: ignore[assignment]
+    try:
+        import openvino as ov
+    finally:
+        if blocked and sys.modules.get(tools, False) is None:
+            del sys.modules[tools]
+    return ov
 
 
 class OpenVinoMissing(ModuleNotFoundError):
@@ -121,6 +151,62 @@ def default_cache_dir(root: Path, home: Path | None = None) -> Path | None:
     return shared if os.access(shared, os.W_OK) else None
 
 
+@dataclass(frozen=True, slots=True)
+class GuardRecord:
+    """Where the precision guard's measurement for one start's circumstances is kept: a small JSON file in
+    the compiled-model cache folder, named by :func:`guard_key`. What is kept is the drift the guard
+    measured, not its verdict, so a changed bound decides again without measuring again."""
+
+    folder: Path
+    key: str
+
+    @property
+    def path(self) -> Path:
+        return self.folder / f"{GUARD_PREFIX}{self.key}.json"
+
+    def read(self) -> float | None:
+        """The drift measured at an earlier start with this key, or None (never measured, unreadable)."""
+        try:
+            drift = json.loads(self.path.read_text(encoding="utf-8"))["drift"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return float(drift) if isinstance(drift, (int, float)) and np.isfinite(drift) else None
+
+    def write(self, drift: float, **facts: str) -> None:
+        """Keep ``drift`` (and ``facts`` for a reader of the file); written whole or not at all."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False,
+                                             encoding="utf-8") as f:
+                json.dump({"drift": drift, **facts}, f)
+            os.replace(f.name, self.path)
+        except OSError as exc:  # a read-only cache: the guard measures again at the next start
+            log.info("cannot keep the precision guard's measurement in %s: %s", self.folder, exc)
+
+
+def guard_key(root: Path, task: Task, precision: str, openvino_version: str, cpu: str,
+              capabilities: Collection[str]) -> str:
+    """Names everything the guard's measurement depends on: the export (its graph files' and calibration
+    rows' sizes and modification times, and its manifest: a re-export changes them), the rows the guard
+    embeds (the calibration corpus's digest and :data:`GUARD_ROWS`), the task, the precision, OpenVINO's
+    version and the CPU (its name and optimisation capabilities). Cheap: nothing is hashed but a few
+    stats and the manifest, not the graph's hundreds of megabytes."""
+    parts = [f"{task}", precision, openvino_version, cpu, ",".join(sorted(capabilities)),
+             calibration.digest(), str(GUARD_ROWS)]
+    for f in sorted([*root.glob(GRAPH_FILE + "*"), root / calibration.FILE]):
+        try:
+            st = f.stat()
+        except OSError:
+            parts.append(f"{f.name}:-")
+            continue
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    try:
+        parts.append((root / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except OSError:
+        parts.append("-")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
 class OpenVinoRunner(OnnxRunner):
     """An exported embedding model on OpenVINO's CPU plugin. ``OpenVinoPairRunner`` adds text pairs."""
 
@@ -134,6 +220,7 @@ class OpenVinoRunner(OnnxRunner):
         precision: str,
         cache_dir: Path | None,
         core: Any = None,
+        guard: GuardRecord | None = None,
     ) -> None:
         self._core = new_core() if core is None else core
         if cache_dir is not None:
@@ -143,8 +230,14 @@ class OpenVinoRunner(OnnxRunner):
         self.precision = precision
         self.loaded_from_cache = False
         self._root = root
+        self._guard_record = guard
+        # The drift an earlier start measured in this precision (None: the guard measures at warm-up).
+        self.guard_drift = guard.read() if guard is not None and precision != "f32" else None
+        if self.guard_drift is not None and self.guard_drift > _limit(info.task)[0]:
+            self._fall_back_message(self.guard_drift, info, "measured at an earlier start")
+            self.precision = "f32"  # compile float32 straight away: the reduced precision would not serve
         super().__init__(root, manifest, info, threads=threads)
-        self.info = replace(info, dtype=_DTYPE_NAMES[precision])
+        self.info = replace(info, dtype=_DTYPE_NAMES[self.precision])
 
     def _compile(self, precision: str) -> Any:
         """The graph compiled for the CPU in ``precision``; read from the cache when it holds it."""
@@ -181,10 +274,24 @@ class OpenVinoRunner(OnnxRunner):
 
     def warmup(self) -> None:
         """The precision guard (a reduced precision against float32 on the calibration corpus's first
-        batch, float32 if it drifts), then one small batch as the ONNX runner does."""
+        batch, float32 if it drifts; decided from the kept measurement where an earlier start made it),
+        then one small batch as the ONNX runner does."""
         if self.precision != "f32":
-            self._guard()
+            if self.guard_drift is None:
+                self._guard()
+            else:
+                limit, what = _limit(self.info.task)
+                log.info("model %s: %s on OpenVINO keeps %s %.6f (limit %g) against float32, measured at "
+                         "an earlier start (%s)", self.info.name, _DTYPE_NAMES[self.precision], what,
+                         _report(self.guard_drift, what), _report(limit, what),
+                         self._guard_record.path if self._guard_record else "")
         super().warmup()
+
+    def _fall_back_message(self, drift: float, info: ModelInfo, when: str) -> None:
+        limit, what = _limit(info.task)
+        log.warning("model %s: %s on OpenVINO drifts from float32 (%s %.6f, limit %g; %s): serving float32",
+                    info.name, _DTYPE_NAMES[self.precision], what, _report(drift, what),
+                    _report(limit, what), when)
 
     def _guard(self) -> None:
         batch = calibration.corpus_batches(self.tokens)[0][:GUARD_ROWS]
@@ -199,13 +306,15 @@ class OpenVinoRunner(OnnxRunner):
             out = f32.create_infer_request().infer(prepared.feed, share_outputs=False)
             reference = np.asarray(out[f32.output(self.manifest.output)][: len(batch)], dtype=np.float32)
         drift, limit, what = _drift(ours, reference, self.info.task)
+        if self._guard_record is not None and np.isfinite(drift):
+            self._guard_record.write(float(drift), what=what, precision=self.precision,
+                                     model=self.info.name, measured=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                  time.gmtime()))
         if drift <= limit:
             log.info("model %s: %s on OpenVINO keeps %s %.6f (limit %g) against float32", self.info.name,
                      _DTYPE_NAMES[self.precision], what, _report(drift, what), _report(limit, what))
             return
-        log.warning("model %s: %s on OpenVINO drifts from float32 (%s %.6f, limit %g): serving float32",
-                    self.info.name, _DTYPE_NAMES[self.precision], what, _report(drift, what),
-                    _report(limit, what))
+        self._fall_back_message(drift, self.info, "measured now")
         self.precision = "f32"
         self._use(f32 if f32 is not None else self._compile("f32"))
         self.info = replace(self.info, dtype="float32")
@@ -218,10 +327,18 @@ class OpenVinoPairRunner(OpenVinoRunner, OnnxPairRunner):
 def _drift(ours: np.ndarray, reference: np.ndarray, task: Task) -> tuple[float, float, str]:
     """How far ``ours`` is from float32 ``reference``, as a number that must stay at most its limit:
     1 - the smallest row cosine for embeddings, the largest relative logit error for scores."""
-    if task is Task.EMBED:  # the torch runners' guard: one bound for a reduced precision on the CPU
-        return 1.0 - precision.min_cosine(ours, reference), 1.0 - precision.BF16_MIN_COSINE, "cosine"
+    limit, what = _limit(task)
+    if task is Task.EMBED:
+        return 1.0 - precision.min_cosine(ours, reference), limit, what
     error = float(np.abs(ours - reference).max()) / max(1.0, float(np.abs(reference).max()))
-    return error, MAX_LOGIT_ERROR, "logit error"
+    return error, limit, what
+
+
+def _limit(task: Task) -> tuple[float, str]:
+    """The most drift :func:`_drift` may measure for ``task``, and what it measures."""
+    if task is Task.EMBED:  # the torch runners' guard: one bound for a reduced precision on the CPU
+        return 1.0 - precision.BF16_MIN_COSINE, "cosine"
+    return MAX_LOGIT_ERROR, "logit error"
 
 
 def _report(value: float, what: str) -> float:
@@ -252,16 +369,23 @@ def load_openvino_runner(
                 "--backend openvino needs OpenVINO: pip install 'coalesce[openvino]' (or serve with "
                 "--backend onnx)"
             ) from exc
-    precision, why = choose_precision(dtype, cpu_capabilities(core))
+    capabilities = cpu_capabilities(core)
+    precision, why = choose_precision(dtype, capabilities)
     cache = Path(cache_dir) if cache_dir else default_cache_dir(root)
+    guard = None
+    if cache is not None and precision != "f32":
+        cpu = str(core.get_property("CPU", "FULL_DEVICE_NAME"))
+        key = guard_key(root, info.task, precision, str(_import_openvino().get_version()), cpu, capabilities)
+        guard = GuardRecord(cache, key)
     threads = intra_op_threads(os.environ if environ is None else environ)
     kind = OpenVinoRunner if info.task is Task.EMBED else OpenVinoPairRunner
-    runner = kind(root, manifest, info, threads=threads, precision=precision, cache_dir=cache, core=core)
+    runner = kind(root, manifest, info, threads=threads, precision=precision, cache_dir=cache, core=core,
+                  guard=guard)
     int8 = " over an int8 export" if manifest.quantize == "int8" else ""
+    cached = "no compiled-model cache" if cache is None else (
+        f"compiled model {'read from' if runner.loaded_from_cache else 'written to'} {cache}")
     log.info("model %s runs on OpenVINO (cpu, %s%s, %s; %d threads; %s), loaded in %.3f s", path,
-             _DTYPE_NAMES[precision], int8, why, threads, "no compiled-model cache" if cache is None else
-             f"compiled model {'read from' if runner.loaded_from_cache else 'written to'} {cache}",
-             time.perf_counter() - t0)
+             _DTYPE_NAMES[runner.precision], int8, why, threads, cached, time.perf_counter() - t0)
     return runner
 
 

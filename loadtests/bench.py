@@ -30,7 +30,9 @@ markers are created when missing, and text outside the markers is kept):
   steady (``bench_soak``);
 * ``memory`` (only when named): resident memory under the soak's alternating load for
   ``--memory-minutes``, per allocator (glibc untouched and tuned, jemalloc, tcmalloc), side by side
-  (``bench_memory``).
+  (``bench_memory``);
+* ``imagesize`` (only when named: it downloads packages): the torch-free image's runtime packages
+  installed with and without OpenVINO, pruned as its Dockerfile prunes them (``bench_image``).
 
 Every server is started here on a free loopback port and stopped before the next one starts; every
 figure is measured in this run and compared side by side with ratios.
@@ -52,7 +54,8 @@ SECTIONS = (
     "foundation", "strategies", "peers", "generator", "coldstart", "kernels", "gateway", "engine", "onnx",
     "features", "fairness", "overload", "tracing", "longinput", "quality",
 )
-EXTRA_SECTIONS = ("soak", "memory")  # run only when named in --only: too long for every `make bench`
+# Run only when named in --only: too long for every `make bench`, or (imagesize) needs the package index.
+EXTRA_SECTIONS = ("soak", "memory", "imagesize")
 
 
 def machine() -> str:
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_engine,
         bench_fairness,
         bench_features,
+        bench_image,
         bench_longinput,
         bench_memory,
         bench_onnx,
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "quality": bench_quality.quality,
         "soak": bench_soak.soak,
         "memory": bench_memory.memory,
+        "imagesize": bench_image.imagesize,
     }
     for name in args.sections:
         print(f"== bench: {name}", file=sys.stderr, flush=True)

@@ -175,7 +175,8 @@ class Settings:
     )
     openvino_cache_dir: str | None = _knob(
         "Where --backend openvino keeps compiled models, so a restart reads the compiled model instead of "
-        "compiling the graph again (a re-export invalidates it). Default: openvino_cache in the export "
+        "compiling the graph again (a re-export invalidates it), and what the bfloat16 guard measured, so a "
+        "restart does not embed its sentences again. Default: openvino_cache in the export "
         "directory when it is writable, else ~/.cache/coalesce/openvino. A compiled model takes about as "
         "much disk as the graph.",
         default=None,

@@ -3,9 +3,11 @@
 # Coalesce, torch-free CPU image: the packaged model exported to ONNX at build time and served by
 # OpenVINO's CPU plugin (`--backend openvino`: bfloat16 on CPUs that have it) or ONNX Runtime
 # (`COALESCE_BACKEND=onnx`: about 0.4 s less cold start, the compile OpenVINO does at a first start),
-# for CPU platforms where every cold start is paid by a waiting caller. OpenVINO adds about 100 MB to
-# the installed packages (201 → 304 MB, its GPU and NPU plugins and non-ONNX readers dropped; 379 MB
-# whole) for 1.1-1.4x ONNX Runtime's throughput in float32 and 2.2-2.5x in bfloat16. Build from the repository root (cpu-onnx.Dockerfile.dockerignore trims the context):
+# for CPU platforms where every cold start is paid by a waiting caller. OpenVINO adds 108 MB to the
+# installed packages (235 → 343 MB with its GPU and NPU plugins and non-ONNX readers dropped, 421 MB
+# whole: the imagesize section of BENCHMARKS.md) for 1.1-1.4x ONNX Runtime's throughput in float32 and
+# 2.2-2.5x in bfloat16. Build from the repository root (cpu-onnx.Dockerfile.dockerignore trims the
+# context):
 #
 #   docker build -f deploy/docker/cpu-onnx.Dockerfile -t coalesce:cpu-onnx \
 #       --build-arg TORCH_INDEX_URL=<the PyTorch CPU wheel index URL> .
@@ -24,8 +26,8 @@ FROM ${PYTHON_IMAGE} AS export
 # only runs the export here, but it is a 2 GB download. Set PyTorch's CPU wheel index to skip that.
 ARG TORCH_INDEX_URL=""
 ARG TORCH_SPEC="torch"
-# none: fp32, the same embeddings as torch. int8: a smaller graph, faster at large batches, at a
-# cosine of ~0.998 to fp32 (static: a text's vector does not depend on its batch).
+# none: fp32, the same embeddings as torch. int8: the later layers' attention in int8, at a recall@10 of
+# 0.975 and a cosine of ~0.9995 against fp32 (static: a text's vector does not depend on its batch).
 ARG QUANTIZE="none"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -59,20 +61,17 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY deploy/docker/onnx-runtime.txt /tmp/onnx-runtime.txt
+COPY deploy/docker/onnx-runtime.txt deploy/docker/prune-openvino.sh /tmp/
 COPY --from=export /wheels /tmp/wheels
-# The runtime list, then the project without its dependencies (its core list names torch).
-# OpenVINO's plugins for Intel GPUs and NPUs, its cache of GPU kernels, its readers of other formats
-# (TensorFlow, PaddlePaddle, PyTorch, GGUF) and C++ headers: 75 MB the CPU plugin never loads.
+# The runtime list, then the project without its dependencies (its core list names torch), then
+# prune-openvino.sh: OpenVINO's plugins for Intel GPUs and NPUs, its cache of GPU kernels, its readers
+# of other formats (TensorFlow, PaddlePaddle, PyTorch, GGUF) and C++ headers, which the CPU plugin never
+# loads (the imagesize bench section measures the same pruning: BENCHMARKS.md).
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install -r /tmp/onnx-runtime.txt \
  && /opt/venv/bin/pip install --no-deps /tmp/wheels/*.whl \
- && rm -rf /tmp/wheels /tmp/onnx-runtime.txt \
- && cd /opt/venv/lib/python3*/site-packages/openvino \
- && rm -rf include libs/cache.json libs/libopenvino_intel_gpu_plugin.so libs/libopenvino_intel_npu_plugin.so \
-        libs/libopenvino_tensorflow_frontend.so* libs/libopenvino_tensorflow_lite_frontend.so* \
-        libs/libopenvino_paddle_frontend.so* libs/libopenvino_pytorch_frontend.so* \
-        libs/libopenvino_gguf_frontend.so*
+ && sh /tmp/prune-openvino.sh /opt/venv/lib/python3*/site-packages \
+ && rm -rf /tmp/wheels /tmp/onnx-runtime.txt /tmp/prune-openvino.sh
 COPY --from=export /models /models
 # Bake check: the export serves offline on both runtimes, and nothing heavy is even installed.
 RUN HF_HUB_OFFLINE=1 /opt/venv/bin/python -c "import sys; from coalesce.kernels.onnx_runner import load_onnx_runner as load; r = load('/models/all-MiniLM-L6-v2', name=None); p = r.prepare([r.with_special_tokens(r.tokenize(['bake check'])[0])]); assert r.finish(r.forward(p), p).shape == (1, 384); assert not {'torch', 'transformers'} & set(sys.modules)" \

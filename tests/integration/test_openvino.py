@@ -133,6 +133,44 @@ def test_a_model_that_drifts_in_bf16_falls_back_to_float32_and_logs_it(
     assert _cosines(ours, reference).min() >= COSINE_F32
 
 
+def test_a_restart_decides_the_precision_from_the_measurement_kept_in_the_cache(
+    exports: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The guard measures once per export, precision, OpenVINO and CPU: a restart reads what it measured
+    (a model that drifted starts in float32 at once), another CPU measures again."""
+    measured: list[str] = []
+    guard = OpenVinoRunner._guard
+
+    def counting(self: OpenVinoRunner) -> None:
+        measured.append(self.precision)
+        guard(self)
+
+    monkeypatch.setattr(OpenVinoRunner, "_guard", counting)
+
+    def start(capabilities: list[str]) -> OpenVinoRunner:
+        runner = load_openvino_runner(str(exports["minilm"]), name=None, cache_dir=str(tmp_path),
+                                      core=_Core(capabilities))
+        runner.warmup()
+        return runner
+
+    first = start(["FP32", "BF16"])
+    assert measured == ["bf16"] and first.info.dtype == "bfloat16"
+    second = start(["FP32", "BF16"])
+    assert measured == ["bf16"] and second.info.dtype == "bfloat16"  # read, not measured again
+    np.testing.assert_allclose(_embed(second, MIXED), _embed(first, MIXED), atol=1e-6)
+    start(["FP32", "BF16", "FP16"])  # another CPU
+    assert measured == ["bf16", "bf16"]
+    monkeypatch.setattr(precision, "BF16_MIN_COSINE", 1.5)  # the kept drift is now past the bound
+    with caplog.at_level(logging.INFO, logger="coalesce.kernels"):
+        strict = start(["FP32", "BF16"])
+    assert measured == ["bf16", "bf16"] and (strict.precision, strict.info.dtype) == ("f32", "float32")
+    assert any("drifts from float32" in r.getMessage() and "earlier start" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_classifier_export_runs_on_openvino(exports: dict[str, Path], tmp_path: Path) -> None:
     onnx = load_onnx_runner(str(exports["reranker"]), name=None)
     runner = load_openvino_runner(str(exports["reranker"]), name=None, dtype="auto", cache_dir=str(tmp_path),

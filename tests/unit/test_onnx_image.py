@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -68,3 +69,46 @@ def test_the_runtime_list_is_pyprojects_core_without_the_torch_stack_plus_onnx_s
     assert str(runtime["onnxruntime"].specifier) == str(onnx_extra["onnxruntime"].specifier)
     openvino_extra = _requirements(project["optional-dependencies"]["openvino"])
     assert str(runtime["openvino"].specifier) == str(openvino_extra["openvino"].specifier)
+
+
+def test_the_image_prunes_openvino_with_the_script_the_size_bench_measures() -> None:
+    from coalesce.loadtests import bench_image
+
+    instructions = parse_dockerfile(ONNX_DOCKERFILE.read_text())
+    final = max(i.stage for i in instructions)
+    copies = [i.args for i in instructions if i.stage == final and i.keyword == "COPY"]
+    assert any("deploy/docker/prune-openvino.sh" in c.split()[:-1] for c in copies)
+    runs = " ".join(i.args for i in instructions if i.stage == final and i.keyword == "RUN")
+    assert re.search(r"sh /tmp/prune-openvino\.sh /opt/venv/lib/python3\*/site-packages", runs)
+    assert DEPLOY.resolve() / "docker" / "prune-openvino.sh" == bench_image.PRUNE
+    ignore = (DEPLOY / "docker" / "cpu-onnx.Dockerfile.dockerignore").read_text().splitlines()
+    assert "!deploy/docker/prune-openvino.sh" in ignore  # in the build context
+
+
+def test_the_pruning_keeps_the_cpu_plugin_and_the_onnx_reader(tmp_path: Path) -> None:
+    from coalesce.loadtests import bench_image
+
+    libs = tmp_path / "openvino" / "libs"
+    (tmp_path / "openvino" / "include" / "openvino").mkdir(parents=True)
+    libs.mkdir()
+    kept = ["libopenvino.so.2026.4.1", "libopenvino_intel_cpu_plugin.so",
+            "libopenvino_onnx_frontend.so.2026.4.1", "libopenvino_ir_frontend.so.2026.4.1", "plugins.xml"]
+    dropped = ["libopenvino_intel_gpu_plugin.so", "libopenvino_intel_npu_plugin.so", "cache.json",
+               "libopenvino_tensorflow_frontend.so.2026.4.1", "libopenvino_tensorflow_lite_frontend.so.2641",
+               "libopenvino_paddle_frontend.so.2026.4.1", "libopenvino_pytorch_frontend.so.2026.4.1",
+               "libopenvino_gguf_frontend.so.2026.4.1"]
+    for name in kept + dropped:
+        (libs / name).write_bytes(b"x")
+    bench_image.prune(tmp_path)
+    assert sorted(p.name for p in libs.iterdir()) == sorted(kept)
+    assert not (tmp_path / "openvino" / "include").exists()
+
+
+def test_the_size_bench_installs_the_runtime_list_with_and_without_openvino() -> None:
+    from coalesce.loadtests import bench_image
+
+    text = "# comment\naiohttp>=3.10\nopenvino>=2025.0\ntokenizers>=0.20\n"
+    assert bench_image.runtime_requirements(True, text) == ["aiohttp>=3.10", "openvino>=2025.0",
+                                                            "tokenizers>=0.20"]
+    assert bench_image.runtime_requirements(False, text) == ["aiohttp>=3.10", "tokenizers>=0.20"]
+    assert {Requirement(r).name for r in bench_image.runtime_requirements(True)} == set(_runtime_list())

@@ -12,11 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from coalesce.kernels.openvino_runner import (
+    GuardRecord,
     OpenVinoMissing,
     choose_precision,
     default_cache_dir,
+    guard_key,
     load_openvino_runner,
 )
+from coalesce.kernels.protocol import Task
 
 INTEL_SPR = frozenset({"FP32", "BF16", "FP16", "INT8", "BIN", "EXPORT_IMPORT"})  # AMX: bf16 and fp16
 ZEN3 = frozenset({"FP32", "INT8", "BIN", "EXPORT_IMPORT"})  # AVX2 only
@@ -87,3 +90,45 @@ def test_the_guard_measures_drift_as_the_worst_row() -> None:
     logits = np.array([[4.0, -2.0], [1.0, 0.5]], dtype=np.float32)
     assert _drift(logits + 0.01, logits, Task.CLASSIFY)[0] <= MAX_LOGIT_ERROR  # 0.0025 of the largest
     assert _drift(logits + np.array([[0.0, 0.1]]), logits, Task.CLASSIFY)[0] > MAX_LOGIT_ERROR
+
+
+def _export_files(root: Path) -> None:
+    root.mkdir(exist_ok=True)
+    (root / "model.onnx").write_bytes(b"graph")
+    (root / "calibration.npy").write_bytes(b"rows")
+    (root / "coalesce_export.json").write_text('{"name": "m"}')
+
+
+def test_the_guard_key_changes_with_whatever_the_measurement_depends_on(tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    _export_files(export)
+    facts = (Task.EMBED, "bf16", "2026.4.1", "Xeon", frozenset({"FP32", "BF16"}))
+    key = guard_key(export, *facts)
+    assert guard_key(export, *facts) == key  # a restart on the same export, OpenVINO and CPU
+    changed = [
+        guard_key(export, Task.EMBED, "f16", *facts[2:]),  # another precision
+        guard_key(export, *facts[:2], "2026.5.0", *facts[3:]),  # another OpenVINO
+        guard_key(export, *facts[:3], "EPYC", facts[4]),  # another CPU
+        guard_key(export, *facts[:4], frozenset({"FP32", "BF16", "FP16"})),
+    ]
+    assert key not in changed
+    (export / "model.onnx").write_bytes(b"another graph")  # exported again
+    assert guard_key(export, *facts) != key
+    key = guard_key(export, *facts)
+    (export / "coalesce_export.json").write_text('{"name": "n"}')
+    assert guard_key(export, *facts) != key
+    key = guard_key(export, *facts)
+    (export / "calibration.npy").unlink()
+    assert guard_key(export, *facts) != key
+
+
+def test_the_guard_record_keeps_a_drift_and_reads_nothing_from_a_broken_file(tmp_path: Path) -> None:
+    record = GuardRecord(tmp_path / "cache", "k1")
+    assert record.read() is None  # never measured
+    record.write(2e-5, what="cosine")
+    assert record.read() == pytest.approx(2e-5)
+    assert GuardRecord(tmp_path / "cache", "k2").read() is None  # another key
+    record.path.write_text("{not json")
+    assert record.read() is None  # measured again rather than trusted
+    record.path.write_text('{"drift": "NaN"}')
+    assert record.read() is None
