@@ -164,7 +164,7 @@ class Admitter:
         if verdict is None:
             return None
         reason, allowed, what = verdict
-        retry = self._pacer.after(now, self.room_in(wait, allowed), total / self.regime.capacity)
+        retry = self._pacer.after(now, self.room_in(wait, allowed), total / self.capacity())
         return Refusal(reason, f"{what}; retry in {retry:.3f} s.", retry)
 
     def room_in(self, wait: float, allowed: float) -> float:
