@@ -17,8 +17,9 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -60,22 +61,30 @@ class RequestResult:
     batches: tuple[bytes, ...] = ()  # with tracing on: the spans of those batches (``tracing.pack``)
 
 
-class _Job:
-    """One request's inputs in flight: the caller's future and the rows gathered so far.
+Reply = Callable[[Hashable, "RequestResult | CoalesceError"], None]
 
-    The future resolves once: when the last input's rows arrive, or at the first failure. A failed or
-    cancelled job's inputs still waiting are swept from the queue, never computed. ``starts`` (token
-    output only) is where each input's rows begin in the request's rows; pooled inputs have one each.
+
+class Ticket:
+    """One request's inputs in flight: how it is answered, and the rows gathered so far.
+
+    It is answered once, through ``reply(tag, outcome)`` on the event loop: with its rows when the last
+    input's arrive, or with the first failure. ``submit`` makes ``reply`` resolve the caller's future;
+    the engine process passes one that files the answer into its next message to the gateway, so a
+    request costs no future and no callback. A ticket answered with a failure, or withdrawn, has its
+    inputs still waiting swept from the queue, never computed. ``starts`` (token output only) is where
+    each input's rows begin in the request's rows; pooled inputs have one each.
     """
 
     __slots__ = (
-        "batches", "forward_s", "future", "left", "link", "queue_s", "rows", "size", "starts", "total"
+        "batches", "done", "forward_s", "left", "link", "queue_s", "reply", "rows", "size", "starts", "tag",
+        "total",
     )
 
-    def __init__(self, future: asyncio.Future[RequestResult], size: int,
-                 starts: list[int] | None = None, total: int | None = None,
-                 link: bytes | None = None) -> None:
-        self.future = future
+    def __init__(self, reply: Reply, tag: Hashable, size: int, starts: list[int] | None = None,
+                 total: int | None = None, link: bytes | None = None) -> None:
+        self.reply = reply
+        self.tag = tag
+        self.done = False  # answered, or withdrawn: nobody wants its rows any more
         self.link = link  # the request's sampled span (tracing on), which its batches' spans link
         self.batches: tuple[bytes, ...] = ()
         self.size = size
@@ -88,7 +97,7 @@ class _Job:
 
     def put(self, index: int, block: np.ndarray, queue_s: float, forward_s: float) -> None:
         """Input ``index`` of the request came out as ``block`` (its rows, a view of the batch's)."""
-        if self.future.done():
+        if self.done:
             return
         if self.size == 1:
             self.rows = block  # the common one-input request: a view, no copy
@@ -97,15 +106,22 @@ class _Job:
                 self.rows = np.empty((self.total, block.shape[1]), dtype=np.float32)
             start = index if self.starts is None else self.starts[index]
             self.rows[start : start + block.shape[0]] = block
-        self.queue_s = max(self.queue_s, queue_s)
-        self.forward_s = max(self.forward_s, forward_s)
+        if queue_s > self.queue_s:
+            self.queue_s = queue_s
+        if forward_s > self.forward_s:
+            self.forward_s = forward_s
         self.left -= 1
         if self.left == 0:
-            self.future.set_result(RequestResult(self.rows, self.queue_s, self.forward_s, self.batches))
+            self.done = True
+            self.reply(self.tag, RequestResult(self.rows, self.queue_s, self.forward_s, self.batches))
 
-    def fail(self, err: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(err)
+    def fail(self, err: CoalesceError) -> bool:
+        """Answer ``err`` unless answered already; True if inputs of it may still wait in the queue."""
+        if self.done:
+            return False
+        self.done = True
+        self.reply(self.tag, err)
+        return self.left > 1
 
 
 class _Work:
@@ -117,7 +133,7 @@ class _Work:
 
     __slots__ = ("deadline", "entry", "ids", "key", "priority", "waiters")
 
-    def __init__(self, ids: Sequence[int], key: bytes, job: _Job, index: int, deadline: float | None,
+    def __init__(self, ids: Sequence[int], key: bytes, job: Ticket, index: int, deadline: float | None,
                  priority: int) -> None:
         self.entry: Entry | None = None  # its place in the scheduler's queue
         self.ids = ids
@@ -128,15 +144,18 @@ class _Work:
 
     def abandoned(self) -> bool:
         """Every request waiting for it has finished (failed, cancelled): nobody wants it now."""
-        return all(job.future.done() for job, _ in self.waiters)
+        return all(job.done for job, _ in self.waiters)
 
     def put(self, block: np.ndarray, queue_s: float, forward_s: float) -> None:
         for job, index in self.waiters:
             job.put(index, block, queue_s, forward_s)
 
-    def fail(self, err: BaseException) -> None:
+    def fail(self, err: CoalesceError) -> bool:
+        """Answer every waiter ``err``; True if inputs of theirs may still wait in the queue."""
+        rest = False
         for job, _ in self.waiters:
-            job.fail(err)
+            rest |= job.fail(err)
+        return rest
 
 
 _KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
@@ -257,16 +276,45 @@ class Batcher:
         (when the request's head arrived; its waits count from then) are on ``time.monotonic()``.
         ``link`` (tracing on): the request's span, which the spans of the batches computing it link.
         """
+        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        ticket = self.enqueue(seqs, partial(_resolve, future), None, tenant=tenant, weight=weight,
+                              priority=priority, deadline=deadline, kind=kind, arrived=arrived, link=link)
+        if not ticket.done:
+            future.add_done_callback(partial(self._on_future_done, ticket))
+        return future
+
+    def _on_future_done(self, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
+        if fut.cancelled():
+            self.withdraw(ticket)
+
+    def enqueue(
+        self,
+        seqs: Sequence[Sequence[int]],
+        reply: Reply,
+        tag: Hashable,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        weight: float = 1.0,
+        priority: int = 1,
+        deadline: float | None = None,
+        kind: OutputKind = OutputKind.POOLED,
+        arrived: float | None = None,
+        link: bytes | None = None,
+    ) -> Ticket:
+        """:meth:`submit` without a future: the request is answered by ``reply(tag, outcome)`` (its
+        :class:`RequestResult`, or the error that ended it), called once on the event loop — at once,
+        before this returns, when every input is cached. :meth:`withdraw` the ticket to drop what has not
+        run. Raises the refusal, as ``submit`` does. The engine process answers gateways this way."""
         self._refuse_if_closing()
         now = time.monotonic()
         if arrived is None or arrived > now:
             arrived = now
         cache, inflight = self._cache, self._inflight
-        keys = [input_key(ids, kind) for ids in seqs]
         hits: list[tuple[int, np.ndarray]] = []
         shared: list[tuple[int, _Work]] = []
         fresh: dict[bytes, list[int]] = {}  # distinct new inputs of this request, by key → positions
-        for i, key in enumerate(keys):
+        for i, ids in enumerate(seqs):
+            key = input_key(ids, kind)
             block = cache.get(self.model, key) if cache is not None else None
             if block is not None:
                 hits.append((i, block))
@@ -277,26 +325,24 @@ class Batcher:
             else:
                 fresh[key] = [i]
         if fresh:
-            refusal = self.scheduler.admit((len(seqs[p[0]]) for p in fresh.values()), tenant, deadline, now,
+            refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], tenant, deadline, now,
                                            weight=weight, priority=priority, arrived=arrived)
             if refusal is not None:
                 self._metrics.rejected.labels(self.model, refusal.reason).inc()
                 raise refusal_error(refusal, self.model)
-        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
-            job = _Job(future, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=link)
+            job = Ticket(reply, tag, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=link)
         else:
-            job = _Job(future, len(seqs), link=link)
-        future.add_done_callback(self._on_job_done)
+            job = Ticket(reply, tag, len(seqs), link=link)
         series = self._series
         if cache is not None:
             if hits:
                 series.cache_hits.inc(len(hits))
             if len(hits) < len(seqs):
                 series.cache_misses.inc(len(seqs) - len(hits))
-        if shared or any(len(p) > 1 for p in fresh.values()):
-            series.deduplicated.inc(len(shared) + sum(len(p) - 1 for p in fresh.values()))
+        if shared or len(fresh) + len(hits) < len(seqs):
+            series.deduplicated.inc(len(seqs) - len(fresh) - len(hits))
         for i, work in shared:
             work.waiters.append((job, i))
             if deadline is None or (work.deadline is not None and deadline > work.deadline):
@@ -305,11 +351,12 @@ class Batcher:
                     self.scheduler.extend_deadline(work.entry, deadline)
         entries = []
         for key, positions in fresh.items():
-            work = _Work(seqs[positions[0]], key, job, positions[0], deadline, priority)
-            work.waiters += [(job, p) for p in positions[1:]]
+            first = positions[0]
+            work = _Work(seqs[first], key, job, first, deadline, priority)
+            if len(positions) > 1:
+                work.waiters += [(job, p) for p in positions[1:]]
             inflight[key] = work
-            work.entry = Entry(len(work.ids), arrived, tenant, weight, priority, deadline, payload=work,
-                               flow=job, kind=kind)
+            work.entry = Entry(len(work.ids), arrived, tenant, weight, priority, deadline, work, job, kind)
             entries.append(work.entry)
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
@@ -317,10 +364,13 @@ class Batcher:
             self.scheduler.add(entries, inputs=len(seqs))
             self._idle.clear()
             self._wake.set()
-        return future
+        return job
 
-    def _on_job_done(self, fut: asyncio.Future[RequestResult]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
+    def withdraw(self, ticket: Ticket) -> None:
+        """The caller no longer wants ``ticket``'s rows: its inputs still waiting are dropped, never
+        computed, and it is not answered. A no-op once it has been answered."""
+        if not ticket.done:
+            ticket.done = True
             self._sweep = True
             self._wake.set()
 
@@ -423,7 +473,9 @@ class Batcher:
     def _answer(self, entries: Sequence[Entry], err: CoalesceError) -> None:
         for e in entries:
             self._inflight.pop(e.payload.key, None)
-            e.payload.fail(err)
+            if e.payload.fail(err):  # a request it failed has other inputs waiting: they go next step
+                self._sweep = True
+                self._wake.set()
 
     async def _run_batch(self, batch: list[Entry], padded: int) -> None:
         m, model = self._series, self.model
@@ -481,7 +533,7 @@ class Batcher:
         """The span of a batch that computes inputs of sampled requests (None if it computes none),
         linked to each of those requests' spans; each such request learns the batch's span."""
         links: dict[bytes, int] = {}
-        jobs: list[_Job] = []
+        jobs: list[Ticket] = []
         for e in batch:
             for job, _ in e.payload.waiters:
                 if job.link is not None:
@@ -536,6 +588,17 @@ class Batcher:
             forward_ms=round(out.forward_s * 1e3, 2),
             total_ms=round((time.monotonic() - start) * 1e3, 2),
         )
+
+
+def _resolve(future: asyncio.Future[RequestResult], _tag: Hashable, outcome: RequestResult | CoalesceError
+             ) -> None:
+    """A :class:`Ticket`'s answer into the future :meth:`Batcher.submit` returned (unless cancelled)."""
+    if future.done():
+        return
+    if isinstance(outcome, RequestResult):
+        future.set_result(outcome)
+    else:
+        future.set_exception(outcome)
 
 
 def refusal_error(refusal: Refusal, model: str) -> CoalesceError:
