@@ -28,7 +28,7 @@ from coalesce.kernels.protocol import OutputKind, is_raw, marks
 from .. import tracing
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
-from ..metrics import Metrics
+from ..metrics import Metrics, observe_all
 from .cache import ResultCache
 from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
@@ -159,11 +159,15 @@ class _Work:
 
 
 _KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
+# The head of an unmarked sequence's key, by kind: (kind, b_start -1, pool_start 0, not raw).
+_PLAIN_HEADS = {kind: array("i", (code, -1, 0, 0)).tobytes() for kind, code in _KINDS.items()}
 
 
 def input_key(ids: Sequence[int], kind: OutputKind = OutputKind.POOLED) -> bytes:
     """What decides an input's rows: the output asked for, its token ids, where a pair's segment B
     or pooling starts, and whether its row is normalised."""
+    if type(ids) is list:  # unmarked (the common case): its head is a constant
+        return _PLAIN_HEADS[kind] + array("i", ids).tobytes()
     return array("i", (_KINDS[kind], *marks(ids), is_raw(ids), *ids)).tobytes()
 
 
@@ -200,7 +204,7 @@ class Batcher:
         self._sweep = False  # a job ended early (failed, cancelled): its waiting inputs must go
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._tenant_series: set[str] = set()  # tenants with a coalesce_tenant_queued_tokens series
+        self._tenant_series: dict[str, int] = {}  # coalesce_tenant_queued_tokens as last set, by tenant
         self._queue_shown: tuple[int, int, bool] | None = None  # what the queue gauges last said
         self._coef_shown: object = None  # the cost coefficients the gauges last said
 
@@ -463,12 +467,16 @@ class Batcher:
         if self._metrics.multiprocess_dir is not None:
             return
         waiting = sched.tenant_queued_tokens()
+        shown = self._tenant_series
+        if waiting == shown:
+            return
         gauge = self._metrics.tenant_queued_tokens
         for tenant, tokens in waiting.items():
-            gauge.labels(self.model, tenant).set(tokens)
-        for tenant in self._tenant_series - waiting.keys():
+            if shown.get(tenant) != tokens:
+                gauge.labels(self.model, tenant).set(tokens)
+        for tenant in shown.keys() - waiting.keys():
             gauge.remove(self.model, tenant)
-        self._tenant_series = set(waiting)
+        self._tenant_series = waiting
 
     def _answer(self, entries: Sequence[Entry], err: CoalesceError) -> None:
         for e in entries:
@@ -570,8 +578,12 @@ class Batcher:
         m.padding_ratio.observe(padding_ratio([e.n_tokens for e in batch], padded))
         m.forward_seconds.observe(out.forward_s)
         waits = m.queue_wait
-        for e in batch:
-            waits[e.priority].observe(start - e.arrival)
+        priority = batch[0].priority
+        if all(e.priority == priority for e in batch):  # (the common case: one class)
+            observe_all(waits[priority], [start - e.arrival for e in batch])
+        else:
+            for p, hist in enumerate(waits):
+                observe_all(hist, [start - e.arrival for e in batch if e.priority == p])
         if not log.is_enabled_for(logging.DEBUG):
             return  # the fields below cost a pass over the batch each: only when someone reads them
         log.debug(

@@ -103,42 +103,43 @@ class GatewayLink:
         self._send([wire.encoder.encode(wire.Refused(reason))])
 
     def _submit(self, msg: wire.Submit, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 1 or len(msg.sizes) != len(msg.jobs):
-            self._refuse(f"{len(msg.jobs)} jobs of {len(msg.sizes)} sizes with {len(frames)} frames "
-                         "(one frame holds them all)")
+        if len(frames) != 1:
+            self._refuse(f"{len(msg.jobs)} jobs with {len(frames)} frames (one frame holds them all)")
             return
+        if self._offers is None:
+            for job in msg.jobs:
+                self._fail(job.id, Unavailable("The models are still loading; retry shortly.", retry_after=2,
+                                               code="loading"))
+            return
+        models = self._engine.models
         try:
-            pieces = wire.split_frame(msg.sizes, frames[0].buffer)
+            unpacked = wire.unpack_submit(msg, frames[0].buffer, [m.info for m in models])
         except wire.ProtocolError as exc:
             self._refuse(str(exc))
             return
-        models = self._engine.models
-        for job, piece in zip(msg.jobs, pieces, strict=True):
+        jobs, reply = self._jobs, self._reply
+        for job, seqs in zip(msg.jobs, unpacked, strict=True):
+            if isinstance(seqs, wire.ProtocolError):
+                self._malformed(job.id, seqs)
+                continue
+            batcher = models[job.model].batcher
             try:
-                if self._offers is None:
-                    raise Unavailable("The models are still loading; retry shortly.", retry_after=2,
-                                      code="loading")
-                if not 0 <= job.model < len(models):
-                    raise wire.ProtocolError(f"job {job.id}: no model {job.model}")
-                model = models[job.model]
-                if job.tokens and not model.info.token_embeddings:
-                    raise wire.ProtocolError(f"job {job.id}: model {job.model} returns no token embeddings")
-                seqs = wire.unpack_job(job, piece, model.info)
-                batcher = model.batcher
                 ticket = batcher.enqueue(
-                    seqs, self._reply, job.id, tenant=job.tenant, weight=job.weight, priority=job.priority,
+                    seqs, reply, job.id, tenant=job.tenant, weight=job.weight, priority=job.priority,
                     deadline=job.deadline, kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED,
                     arrived=job.arrived or None, link=_link(job.trace),
                 )
-            except wire.ProtocolError as exc:
-                log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
-                self._fail(job.id, CoalesceError(f"The gateway sent a malformed job: {exc}",
-                                                 code="protocol_error"))
+            except wire.ProtocolError as exc:  # a span context of the wrong size
+                self._malformed(job.id, exc)
             except CoalesceError as err:
                 self._fail(job.id, err)
             else:
                 if not ticket.done:  # (every input cached: answered already)
-                    self._jobs[job.id] = (batcher, ticket)
+                    jobs[job.id] = (batcher, ticket)
+
+    def _malformed(self, job_id: int, exc: wire.ProtocolError) -> None:
+        log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
+        self._fail(job_id, CoalesceError(f"The gateway sent a malformed job: {exc}", code="protocol_error"))
 
     # -- outgoing ------------------------------------------------------------------------------------
     def _reply(self, job_id: Hashable, outcome: RequestResult | CoalesceError) -> None:
