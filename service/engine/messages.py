@@ -25,6 +25,7 @@ on, a ``Job`` carries its request's span context and a ``Done`` its batches' spa
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -151,14 +152,18 @@ class ProtocolError(ValueError):
 
 def pack_job(seqs: Sequence[Sequence[int]]) -> tuple[bool, bytes]:
     """(whether the sequences carry marks, the int32 frame of ``seqs``)."""
-    lengths = [len(s) for s in seqs]
-    marked = any(isinstance(s, MarkedIds) for s in seqs)
-    head = lengths
+    values = [len(s) for s in seqs]
+    marked = False
+    for s in seqs:  # (a loop, not any() over a generator: most requests are one sequence)
+        if isinstance(s, MarkedIds):
+            marked = True
+            break
     if marked:
         pairs = [marks(s) for s in seqs]
-        head = lengths + [b for b, _ in pairs] + [p for _, p in pairs] + [int(is_raw(s)) for s in seqs]
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=sum(lengths))
-    return marked, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
+        values += [b for b, _ in pairs] + [p for _, p in pairs] + [int(is_raw(s)) for s in seqs]
+    for s in seqs:
+        values += s
+    return marked, array("i", values).tobytes()
 
 
 def split_frame(sizes: Sequence[int], frame: Any, itemsize: int = 4) -> list[memoryview]:
