@@ -45,7 +45,10 @@ class Output(Protocol):
 class Engine(Protocol):
     """What the batcher needs from a model worker (``coalesce.kernels.worker.ModelWorker`` fits)."""
 
-    async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> Output: ...
+    def start(self, batch: Sequence[Sequence[int]], kind: OutputKind,
+              done: Callable[[Output | Exception], None]) -> None:
+        """Run ``batch``; ``done`` gets its output or the exception it raised, on the event loop."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,8 +433,7 @@ class Batcher:
                     ),
                 )
             if isinstance(decision, Dispatch):
-                batch_run = self._run_batch(decision.batch, decision.padded_tokens)
-                asyncio.get_running_loop().create_task(batch_run)
+                self._run_batch(decision.batch, decision.padded_tokens)
                 continue
             if isinstance(decision, Wait):
                 self._wake_at(decision.until)
@@ -485,15 +487,21 @@ class Batcher:
                 self._sweep = True
                 self._wake.set()
 
-    async def _run_batch(self, batch: list[Entry], padded: int) -> None:
-        m, model = self._series, self.model
+    def _run_batch(self, batch: list[Entry], padded: int) -> None:
         start = time.monotonic()
-        seconds: float | None = None
         kind = cast(OutputKind, batch[0].kind)  # the batcher gives every entry one
         tracer = tracing.active
         span = self._batch_span(tracer, batch, padded, start) if tracer is not None else None
+        self._engine.start([e.payload.ids for e in batch], kind,
+                           partial(self._batch_done, batch, padded, kind, start, tracer, span))
+
+    def _batch_done(self, batch: list[Entry], padded: int, kind: OutputKind, start: float,
+                    tracer: tracing.Tracer | None, span: Any, out: Output | Exception) -> None:
+        m, model = self._series, self.model
+        seconds: float | None = None
         try:
-            out = await self._engine.run([e.payload.ids for e in batch], kind)
+            if isinstance(out, Exception):
+                raise out
             # The rows each input gets: one (pooled), or one per token.
             sizes = [len(e.payload.ids) if kind is OutputKind.TOKENS else 1 for e in batch]
             if out.rows.shape[0] != sum(sizes):
