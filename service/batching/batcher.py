@@ -1,11 +1,13 @@
 """The batcher: the asyncio shell around one model's :class:`Scheduler`.
 
-Callers :meth:`Batcher.submit` a request and await the one future it returns. The scheduler decides
-(admission, order, batch size, shedding); the batcher's task is the single owner of the scheduler, wakes
-on events (never polls), hands batches to the engine, and resolves every request's future on every
-path: result, runner error (exactly the requests in that batch), expiry, shedding, cancellation by the
-caller, or shutdown. A request is the scheduler's flow: its inputs are fairly interleaved with other
-requests' rather than queued as one block.
+Callers :meth:`Batcher.submit` a request and await the one future it returns, or — the engine process,
+which answers gateways in bulk — :meth:`Batcher.enqueue` it with a reply to call. Either way the request
+is a :class:`Ticket`. The scheduler decides (admission, order, batch size, shedding); the batcher's task
+is the single owner of the scheduler, wakes on events (never polls), hands batches to the engine, and
+answers every ticket once on every path: result, runner error (exactly the requests in that batch),
+expiry, shedding, or shutdown; a ticket withdrawn (its caller left) is never answered, and its inputs
+still waiting are dropped. A request is the scheduler's flow: its inputs are fairly interleaved with
+other requests' rather than queued as one block.
 
 Everything here runs on the event loop; the model runs on the worker's threads.
 """
