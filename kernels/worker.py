@@ -8,15 +8,46 @@ runs. Callers on the event loop await coroutines; the threads never touch asynci
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import numpy as np
 
 from .protocol import OutputKind, Runner, TokenRunner
+
+
+def _hand(pool: ThreadPoolExecutor, reply: Callable[[BatchOutput | Exception], None],
+          fn: Callable[..., BatchOutput | None], *args: object) -> None:
+    """Run ``fn(*args)`` on ``pool``'s thread; ``reply`` gets what it returns (unless None: it handed
+    the batch on) or what it raised, including a pool that no longer takes work (shutdown)."""
+
+    def call() -> None:
+        try:
+            out = fn(*args)
+        except Exception as exc:
+            reply(exc)
+        else:
+            if out is not None:
+                reply(out)
+
+    try:
+        pool.submit(call)
+    except RuntimeError as exc:
+        reply(exc)
+
+
+def _settle(fut: asyncio.Future[BatchOutput], outcome: BatchOutput | Exception) -> None:
+    if fut.done():
+        return  # the caller stopped waiting
+    if isinstance(outcome, Exception):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)
 
 
 class DeviceThread:
@@ -60,14 +91,38 @@ class ModelWorker:
     async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind = OutputKind.POOLED) -> BatchOutput:
         """Run one batch of complete id sequences, all of one output ``kind``. Raises whatever the
         runner raised (a runner without token output asked for tokens raises TypeError)."""
+        fut: asyncio.Future[BatchOutput] = asyncio.get_running_loop().create_future()
+        self.start(batch, kind, partial(_settle, fut))
+        return await fut
+
+    def start(self, batch: Sequence[Sequence[int]], kind: OutputKind,
+              done: Callable[[BatchOutput | Exception], None]) -> None:
+        """Run one batch as :meth:`run` does and call ``done`` with its output, or the exception it
+        raised, on the calling event loop. No future: the batch goes from the preparing thread
+        straight to the device thread, and comes back to the loop once (the batcher's hand-off)."""
         loop = asyncio.get_running_loop()
+
+        def reply(outcome: BatchOutput | Exception) -> None:  # any thread
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
+                loop.call_soon_threadsafe(done, outcome)
+
         if not self._overlap:
-            return await loop.run_in_executor(self._device.executor, self._prepare_and_forward, batch, kind)
+            _hand(self._device.executor, reply, self._prepare_and_forward, batch, kind)
+        else:
+            _hand(self._cpu, reply, self._prepare_then_forward, batch, kind, reply)
+
+    def _prepare_then_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind,
+                              reply: Callable[[BatchOutput | Exception], None]) -> None:
+        # The CPU thread: pad this batch while the device runs the previous one, then queue its forward.
         t0 = time.perf_counter()
-        prepared = await loop.run_in_executor(self._cpu, self.runner.prepare, batch)
-        t1 = time.perf_counter()
-        rows, forward_s = await loop.run_in_executor(self._device.executor, self._forward, prepared, kind)
-        return BatchOutput(rows=rows, prepare_s=t1 - t0, forward_s=forward_s)
+        prepared = self.runner.prepare(batch)
+        prepare_s = time.perf_counter() - t0
+        _hand(self._device.executor, reply, self._forward_output, prepared, kind, prepare_s)
+
+    def _forward_output(self, prepared: object, kind: OutputKind, prepare_s: float) -> BatchOutput:
+        # Device thread only.
+        rows, forward_s = self._forward(prepared, kind)
+        return BatchOutput(rows=rows, prepare_s=prepare_s, forward_s=forward_s)
 
     def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float]:
         # Device thread only.

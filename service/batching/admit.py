@@ -118,12 +118,15 @@ class Admitter:
         self.regime.asked(total, now)
         self.regime.capacity = self.capacity()
         refusal = self.check_room(tenant, total, now)
+        ahead = None
         if refusal is None and self.on:
+            ahead = self._queue.tokens_ahead(tenant, weight, priority, lengths[0])
             refusal = self._check_wait(lengths[0], total, len(lengths), tenant, weight, priority, now,
-                                       arrived)
+                                       arrived, ahead)
         if refusal is not None or deadline is None:
             return refusal
-        ahead = self._queue.tokens_ahead(tenant, weight, priority, total)
+        if ahead is None or len(lengths) > 1:  # (one input: what is ahead of its first is ahead of all)
+            ahead = self._queue.tokens_ahead(tenant, weight, priority, total)
         own = self._cost.predict(self._padded_cost(len(lengths), max(lengths)))
         finish = now + self.wait_s(ahead, now) + own
         if finish > deadline:
@@ -150,12 +153,13 @@ class Admitter:
 
     def _check_wait(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
-        now: float, arrived: float | None,
+        now: float, arrived: float | None, ahead: int | None = None,
     ) -> Refusal | None:
         """Refuse a request whose first input would start later than the regime admits, counting what
-        it waited before admission."""
+        it waited before admission. ``ahead``: ``tokens_ahead`` of its first input, when known."""
         cfg = self.config
-        ahead = self._queue.tokens_ahead(tenant, weight, priority, first)
+        if ahead is None:
+            ahead = self._queue.tokens_ahead(tenant, weight, priority, first)
         if ahead == 0:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
@@ -283,19 +287,17 @@ def judge_wait(
     request spent before admission counts against its deadline, which admission checks too). The one
     rule, for the engine's admission and a gateway's check on the engine's last report alike."""
     if standing:
-        allowed, reason = cfg.max_queue_wait_s - own, "overloaded"
-        what = (f"The queue stands: this request would have its first result about "
-                f"{elapsed + wait + own:.3f} s after it arrived (bound {cfg.max_queue_wait_s:.3f} s)")
+        allowed = cfg.max_queue_wait_s - own
         if elapsed + wait <= allowed:
             return None
-    else:
-        # A burst: the queue is what is bounded (the time already spent counts against the deadline).
-        allowed, reason = cfg.burst_wait_s, "queue_full"
-        what = f"The queue ahead needs about {wait:.3f} s before this request would start " \
-               f"(bound {cfg.burst_wait_s:.3f} s)"
-        if wait <= allowed:
-            return None
-    return reason, allowed, what  # type: ignore[return-value]
+        return "overloaded", allowed, (
+            f"The queue stands: this request would have its first result about "
+            f"{elapsed + wait + own:.3f} s after it arrived (bound {cfg.max_queue_wait_s:.3f} s)")
+    # A burst: the queue is what is bounded (the time already spent counts against the deadline).
+    if wait <= cfg.burst_wait_s:
+        return None
+    return "queue_full", cfg.burst_wait_s, (f"The queue ahead needs about {wait:.3f} s before this request "
+                                            f"would start (bound {cfg.burst_wait_s:.3f} s)")
 
 
 @dataclass(frozen=True, slots=True)

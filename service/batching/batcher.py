@@ -1,11 +1,13 @@
 """The batcher: the asyncio shell around one model's :class:`Scheduler`.
 
-Callers :meth:`Batcher.submit` a request and await the one future it returns. The scheduler decides
-(admission, order, batch size, shedding); the batcher's task is the single owner of the scheduler, wakes
-on events (never polls), hands batches to the engine, and resolves every request's future on every
-path: result, runner error (exactly the requests in that batch), expiry, shedding, cancellation by the
-caller, or shutdown. A request is the scheduler's flow: its inputs are fairly interleaved with other
-requests' rather than queued as one block.
+Callers :meth:`Batcher.submit` a request and await the one future it returns, or — the engine process,
+which answers gateways in bulk — :meth:`Batcher.enqueue` it with a reply to call. Either way the request
+is a :class:`Ticket`. The scheduler decides (admission, order, batch size, shedding); the batcher's task
+is the single owner of the scheduler, wakes on events (never polls), hands batches to the engine, and
+answers every ticket once on every path: result, runner error (exactly the requests in that batch),
+expiry, shedding, or shutdown; a ticket withdrawn (its caller left) is never answered, and its inputs
+still waiting are dropped. A request is the scheduler's flow: its inputs are fairly interleaved with
+other requests' rather than queued as one block.
 
 Everything here runs on the event loop; the model runs on the worker's threads.
 """
@@ -17,8 +19,9 @@ import contextlib
 import logging
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -27,7 +30,7 @@ from coalesce.kernels.protocol import OutputKind, is_raw, marks
 from .. import tracing
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
-from ..metrics import Metrics
+from ..metrics import Metrics, observe_all
 from .cache import ResultCache
 from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
@@ -44,7 +47,10 @@ class Output(Protocol):
 class Engine(Protocol):
     """What the batcher needs from a model worker (``coalesce.kernels.worker.ModelWorker`` fits)."""
 
-    async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> Output: ...
+    def start(self, batch: Sequence[Sequence[int]], kind: OutputKind,
+              done: Callable[[Output | Exception], None]) -> None:
+        """Run ``batch``; ``done`` gets its output or the exception it raised, on the event loop."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,22 +66,30 @@ class RequestResult:
     batches: tuple[bytes, ...] = ()  # with tracing on: the spans of those batches (``tracing.pack``)
 
 
-class _Job:
-    """One request's inputs in flight: the caller's future and the rows gathered so far.
+Reply = Callable[[Hashable, "RequestResult | CoalesceError"], None]
 
-    The future resolves once: when the last input's rows arrive, or at the first failure. A failed or
-    cancelled job's inputs still waiting are swept from the queue, never computed. ``starts`` (token
-    output only) is where each input's rows begin in the request's rows; pooled inputs have one each.
+
+class Ticket:
+    """One request's inputs in flight: how it is answered, and the rows gathered so far.
+
+    It is answered once, through ``reply(tag, outcome)`` on the event loop: with its rows when the last
+    input's arrive, or with the first failure. ``submit`` makes ``reply`` resolve the caller's future;
+    the engine process passes one that files the answer into its next message to the gateway, so a
+    request costs no future and no callback. A ticket answered with a failure, or withdrawn, has its
+    inputs still waiting swept from the queue, never computed. ``starts`` (token output only) is where
+    each input's rows begin in the request's rows; pooled inputs have one each.
     """
 
     __slots__ = (
-        "batches", "forward_s", "future", "left", "link", "queue_s", "rows", "size", "starts", "total"
+        "batches", "done", "forward_s", "left", "link", "queue_s", "reply", "rows", "size", "starts", "tag",
+        "total",
     )
 
-    def __init__(self, future: asyncio.Future[RequestResult], size: int,
-                 starts: list[int] | None = None, total: int | None = None,
-                 link: bytes | None = None) -> None:
-        self.future = future
+    def __init__(self, reply: Reply, tag: Hashable, size: int, starts: list[int] | None = None,
+                 total: int | None = None, link: bytes | None = None) -> None:
+        self.reply = reply
+        self.tag = tag
+        self.done = False  # answered, or withdrawn: nobody wants its rows any more
         self.link = link  # the request's sampled span (tracing on), which its batches' spans link
         self.batches: tuple[bytes, ...] = ()
         self.size = size
@@ -88,7 +102,7 @@ class _Job:
 
     def put(self, index: int, block: np.ndarray, queue_s: float, forward_s: float) -> None:
         """Input ``index`` of the request came out as ``block`` (its rows, a view of the batch's)."""
-        if self.future.done():
+        if self.done:
             return
         if self.size == 1:
             self.rows = block  # the common one-input request: a view, no copy
@@ -97,15 +111,22 @@ class _Job:
                 self.rows = np.empty((self.total, block.shape[1]), dtype=np.float32)
             start = index if self.starts is None else self.starts[index]
             self.rows[start : start + block.shape[0]] = block
-        self.queue_s = max(self.queue_s, queue_s)
-        self.forward_s = max(self.forward_s, forward_s)
+        if queue_s > self.queue_s:
+            self.queue_s = queue_s
+        if forward_s > self.forward_s:
+            self.forward_s = forward_s
         self.left -= 1
         if self.left == 0:
-            self.future.set_result(RequestResult(self.rows, self.queue_s, self.forward_s, self.batches))
+            self.done = True
+            self.reply(self.tag, RequestResult(self.rows, self.queue_s, self.forward_s, self.batches))
 
-    def fail(self, err: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(err)
+    def fail(self, err: CoalesceError) -> bool:
+        """Answer ``err`` unless answered already; True if inputs of it may still wait in the queue."""
+        if self.done:
+            return False
+        self.done = True
+        self.reply(self.tag, err)
+        return self.left > 1
 
 
 class _Work:
@@ -117,7 +138,7 @@ class _Work:
 
     __slots__ = ("deadline", "entry", "ids", "key", "priority", "waiters")
 
-    def __init__(self, ids: Sequence[int], key: bytes, job: _Job, index: int, deadline: float | None,
+    def __init__(self, ids: Sequence[int], key: bytes, job: Ticket, index: int, deadline: float | None,
                  priority: int) -> None:
         self.entry: Entry | None = None  # its place in the scheduler's queue
         self.ids = ids
@@ -128,23 +149,30 @@ class _Work:
 
     def abandoned(self) -> bool:
         """Every request waiting for it has finished (failed, cancelled): nobody wants it now."""
-        return all(job.future.done() for job, _ in self.waiters)
+        return all(job.done for job, _ in self.waiters)
 
     def put(self, block: np.ndarray, queue_s: float, forward_s: float) -> None:
         for job, index in self.waiters:
             job.put(index, block, queue_s, forward_s)
 
-    def fail(self, err: BaseException) -> None:
+    def fail(self, err: CoalesceError) -> bool:
+        """Answer every waiter ``err``; True if inputs of theirs may still wait in the queue."""
+        rest = False
         for job, _ in self.waiters:
-            job.fail(err)
+            rest |= job.fail(err)
+        return rest
 
 
 _KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
+# The head of an unmarked sequence's key, by kind: (kind, b_start -1, pool_start 0, not raw).
+_PLAIN_HEADS = {kind: array("i", (code, -1, 0, 0)).tobytes() for kind, code in _KINDS.items()}
 
 
 def input_key(ids: Sequence[int], kind: OutputKind = OutputKind.POOLED) -> bytes:
     """What decides an input's rows: the output asked for, its token ids, where a pair's segment B
     or pooling starts, and whether its row is normalised."""
+    if type(ids) is list:  # unmarked (the common case): its head is a constant
+        return _PLAIN_HEADS[kind] + array("i", ids).tobytes()
     return array("i", (_KINDS[kind], *marks(ids), is_raw(ids), *ids)).tobytes()
 
 
@@ -181,7 +209,7 @@ class Batcher:
         self._sweep = False  # a job ended early (failed, cancelled): its waiting inputs must go
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._tenant_series: set[str] = set()  # tenants with a coalesce_tenant_queued_tokens series
+        self._tenant_series: dict[str, int] = {}  # coalesce_tenant_queued_tokens as last set, by tenant
         self._queue_shown: tuple[int, int, bool] | None = None  # what the queue gauges last said
         self._coef_shown: object = None  # the cost coefficients the gauges last said
 
@@ -257,16 +285,45 @@ class Batcher:
         (when the request's head arrived; its waits count from then) are on ``time.monotonic()``.
         ``link`` (tracing on): the request's span, which the spans of the batches computing it link.
         """
+        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        ticket = self.enqueue(seqs, partial(_resolve, future), None, tenant=tenant, weight=weight,
+                              priority=priority, deadline=deadline, kind=kind, arrived=arrived, link=link)
+        if not ticket.done:
+            future.add_done_callback(partial(self._on_future_done, ticket))
+        return future
+
+    def _on_future_done(self, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
+        if fut.cancelled():
+            self.withdraw(ticket)
+
+    def enqueue(
+        self,
+        seqs: Sequence[Sequence[int]],
+        reply: Reply,
+        tag: Hashable,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        weight: float = 1.0,
+        priority: int = 1,
+        deadline: float | None = None,
+        kind: OutputKind = OutputKind.POOLED,
+        arrived: float | None = None,
+        link: bytes | None = None,
+    ) -> Ticket:
+        """:meth:`submit` without a future: the request is answered by ``reply(tag, outcome)`` (its
+        :class:`RequestResult`, or the error that ended it), called once on the event loop — at once,
+        before this returns, when every input is cached. :meth:`withdraw` the ticket to drop what has not
+        run. Raises the refusal, as ``submit`` does. The engine process answers gateways this way."""
         self._refuse_if_closing()
         now = time.monotonic()
         if arrived is None or arrived > now:
             arrived = now
         cache, inflight = self._cache, self._inflight
-        keys = [input_key(ids, kind) for ids in seqs]
         hits: list[tuple[int, np.ndarray]] = []
         shared: list[tuple[int, _Work]] = []
         fresh: dict[bytes, list[int]] = {}  # distinct new inputs of this request, by key → positions
-        for i, key in enumerate(keys):
+        for i, ids in enumerate(seqs):
+            key = input_key(ids, kind)
             block = cache.get(self.model, key) if cache is not None else None
             if block is not None:
                 hits.append((i, block))
@@ -277,26 +334,24 @@ class Batcher:
             else:
                 fresh[key] = [i]
         if fresh:
-            refusal = self.scheduler.admit((len(seqs[p[0]]) for p in fresh.values()), tenant, deadline, now,
+            refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], tenant, deadline, now,
                                            weight=weight, priority=priority, arrived=arrived)
             if refusal is not None:
                 self._metrics.rejected.labels(self.model, refusal.reason).inc()
                 raise refusal_error(refusal, self.model)
-        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
-            job = _Job(future, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=link)
+            job = Ticket(reply, tag, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=link)
         else:
-            job = _Job(future, len(seqs), link=link)
-        future.add_done_callback(self._on_job_done)
+            job = Ticket(reply, tag, len(seqs), link=link)
         series = self._series
         if cache is not None:
             if hits:
                 series.cache_hits.inc(len(hits))
             if len(hits) < len(seqs):
                 series.cache_misses.inc(len(seqs) - len(hits))
-        if shared or any(len(p) > 1 for p in fresh.values()):
-            series.deduplicated.inc(len(shared) + sum(len(p) - 1 for p in fresh.values()))
+        if shared or len(fresh) + len(hits) < len(seqs):
+            series.deduplicated.inc(len(seqs) - len(fresh) - len(hits))
         for i, work in shared:
             work.waiters.append((job, i))
             if deadline is None or (work.deadline is not None and deadline > work.deadline):
@@ -305,11 +360,12 @@ class Batcher:
                     self.scheduler.extend_deadline(work.entry, deadline)
         entries = []
         for key, positions in fresh.items():
-            work = _Work(seqs[positions[0]], key, job, positions[0], deadline, priority)
-            work.waiters += [(job, p) for p in positions[1:]]
+            first = positions[0]
+            work = _Work(seqs[first], key, job, first, deadline, priority)
+            if len(positions) > 1:
+                work.waiters += [(job, p) for p in positions[1:]]
             inflight[key] = work
-            work.entry = Entry(len(work.ids), arrived, tenant, weight, priority, deadline, payload=work,
-                               flow=job, kind=kind)
+            work.entry = Entry(len(work.ids), arrived, tenant, weight, priority, deadline, work, job, kind)
             entries.append(work.entry)
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
@@ -317,10 +373,13 @@ class Batcher:
             self.scheduler.add(entries, inputs=len(seqs))
             self._idle.clear()
             self._wake.set()
-        return future
+        return job
 
-    def _on_job_done(self, fut: asyncio.Future[RequestResult]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
+    def withdraw(self, ticket: Ticket) -> None:
+        """The caller no longer wants ``ticket``'s rows: its inputs still waiting are dropped, never
+        computed, and it is not answered. A no-op once it has been answered."""
+        if not ticket.done:
+            ticket.done = True
             self._sweep = True
             self._wake.set()
 
@@ -376,8 +435,7 @@ class Batcher:
                     ),
                 )
             if isinstance(decision, Dispatch):
-                batch_run = self._run_batch(decision.batch, decision.padded_tokens)
-                asyncio.get_running_loop().create_task(batch_run)
+                self._run_batch(decision.batch, decision.padded_tokens)
                 continue
             if isinstance(decision, Wait):
                 self._wake_at(decision.until)
@@ -413,27 +471,39 @@ class Batcher:
         if self._metrics.multiprocess_dir is not None:
             return
         waiting = sched.tenant_queued_tokens()
+        shown = self._tenant_series
+        if waiting == shown:
+            return
         gauge = self._metrics.tenant_queued_tokens
         for tenant, tokens in waiting.items():
-            gauge.labels(self.model, tenant).set(tokens)
-        for tenant in self._tenant_series - waiting.keys():
+            if shown.get(tenant) != tokens:
+                gauge.labels(self.model, tenant).set(tokens)
+        for tenant in shown.keys() - waiting.keys():
             gauge.remove(self.model, tenant)
-        self._tenant_series = set(waiting)
+        self._tenant_series = waiting
 
     def _answer(self, entries: Sequence[Entry], err: CoalesceError) -> None:
         for e in entries:
             self._inflight.pop(e.payload.key, None)
-            e.payload.fail(err)
+            if e.payload.fail(err):  # a request it failed has other inputs waiting: they go next step
+                self._sweep = True
+                self._wake.set()
 
-    async def _run_batch(self, batch: list[Entry], padded: int) -> None:
-        m, model = self._series, self.model
+    def _run_batch(self, batch: list[Entry], padded: int) -> None:
         start = time.monotonic()
-        seconds: float | None = None
         kind = cast(OutputKind, batch[0].kind)  # the batcher gives every entry one
         tracer = tracing.active
         span = self._batch_span(tracer, batch, padded, start) if tracer is not None else None
+        self._engine.start([e.payload.ids for e in batch], kind,
+                           partial(self._batch_done, batch, padded, kind, start, tracer, span))
+
+    def _batch_done(self, batch: list[Entry], padded: int, kind: OutputKind, start: float,
+                    tracer: tracing.Tracer | None, span: Any, out: Output | Exception) -> None:
+        m, model = self._series, self.model
+        seconds: float | None = None
         try:
-            out = await self._engine.run([e.payload.ids for e in batch], kind)
+            if isinstance(out, Exception):
+                raise out
             # The rows each input gets: one (pooled), or one per token.
             sizes = [len(e.payload.ids) if kind is OutputKind.TOKENS else 1 for e in batch]
             if out.rows.shape[0] != sum(sizes):
@@ -481,7 +551,7 @@ class Batcher:
         """The span of a batch that computes inputs of sampled requests (None if it computes none),
         linked to each of those requests' spans; each such request learns the batch's span."""
         links: dict[bytes, int] = {}
-        jobs: list[_Job] = []
+        jobs: list[Ticket] = []
         for e in batch:
             for job, _ in e.payload.waiters:
                 if job.link is not None:
@@ -518,8 +588,12 @@ class Batcher:
         m.padding_ratio.observe(padding_ratio([e.n_tokens for e in batch], padded))
         m.forward_seconds.observe(out.forward_s)
         waits = m.queue_wait
-        for e in batch:
-            waits[e.priority].observe(start - e.arrival)
+        priority = batch[0].priority
+        if all(e.priority == priority for e in batch):  # (the common case: one class)
+            observe_all(waits[priority], [start - e.arrival for e in batch])
+        else:
+            for p, hist in enumerate(waits):
+                observe_all(hist, [start - e.arrival for e in batch if e.priority == p])
         if not log.is_enabled_for(logging.DEBUG):
             return  # the fields below cost a pass over the batch each: only when someone reads them
         log.debug(
@@ -536,6 +610,17 @@ class Batcher:
             forward_ms=round(out.forward_s * 1e3, 2),
             total_ms=round((time.monotonic() - start) * 1e3, 2),
         )
+
+
+def _resolve(future: asyncio.Future[RequestResult], _tag: Hashable, outcome: RequestResult | CoalesceError
+             ) -> None:
+    """A :class:`Ticket`'s answer into the future :meth:`Batcher.submit` returned (unless cancelled)."""
+    if future.done():
+        return
+    if isinstance(outcome, RequestResult):
+        future.set_result(outcome)
+    else:
+        future.set_exception(outcome)
 
 
 def refusal_error(refusal: Refusal, model: str) -> CoalesceError:

@@ -235,10 +235,17 @@ class FairQueue:
             if mine.items:  # each flow sends about one input, or as many tokens as this request
                 own += min(mine.tokens, len(mine.flows) * max(tokens, mine.tokens / mine.items))
             scale = own / mine.weight
-            own += sum(min(c.tokens, c.weight * scale) for c in t.classes if c is not mine and c.tokens)
+            siblings = 0.0  # (loops, not sum() over generators: this runs for every admitted request)
+            for c in t.classes:
+                if c is not mine and c.tokens:
+                    siblings += min(c.tokens, c.weight * scale)
+            own += siblings
             weight = t.weight
         scale = own / weight
-        others = sum(min(x.queued_tokens, x.weight * scale) for x in self._active.values() if x is not t)
+        others = 0.0
+        for x in self._active.values():
+            if x is not t:
+                others += min(x.queued_tokens, x.weight * scale)
         return int(own - tokens + others)
 
     def tenant_tokens(self, name: str) -> int:

@@ -36,6 +36,7 @@ virtual clock and a simulated runner.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
@@ -138,7 +139,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cost: CostModel, padded_cost: PaddedCost) -> None:
         self.config = config
         self.cost = cost
-        self.padded_cost = padded_cost
+        # A runner's padded cost is a pure function of (inputs, longest): asked several times per request
+        # by admission and per batch by formation, it is looked up (a graph runner walks its grid for it).
+        self.padded_cost = padded_cost = functools.lru_cache(maxsize=1 << 14)(padded_cost)
         self.inflight = 0
         self.busy_until = 0.0  # predicted end of the work already handed to the model
         r = config.priority_ratio

@@ -25,6 +25,12 @@ from ..logs import get_logger
 
 log = get_logger("coalesce.engine")
 
+# As plain ints: pyzmq's flags are enum.Flag members, whose operators run Python code on every call.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+
 
 class Channel:
     """``sock`` on the running loop: ``on_message`` gets each multipart message (``zmq.Frame``s, or
@@ -47,9 +53,11 @@ class Channel:
     def _read(self) -> None:
         self._recheck_due = False
         sock = self._sock
-        while not sock.closed and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+        while not sock.closed and cast(int, sock.get(zmq.EVENTS)) & _POLLIN:
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=self._copy)
+                parts = [sock.recv(_NOBLOCK, copy=self._copy)]
+                while sock.getsockopt(_RCVMORE):  # the rest of a multipart message is here already
+                    parts.append(sock.recv(_NOBLOCK, copy=self._copy))
             except zmq.Again:
                 return
             try:
@@ -65,7 +73,10 @@ class Channel:
     def send(self, parts: list[Any]) -> bool:
         """Send one multipart message now; False (logged) if it could not go."""
         try:
-            self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            sock = self._sock
+            for part in parts[:-1]:
+                sock.send(part, _NOBLOCK_MORE, copy=False)
+            sock.send(parts[-1], _NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as exc:
             log.error("channel_send_failed", channel=self._name, error=repr(exc))

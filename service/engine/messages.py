@@ -25,6 +25,7 @@ on, a ``Job`` carries its request's span context and a ``Done`` its batches' spa
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -152,14 +153,18 @@ class ProtocolError(ValueError):
 
 def pack_job(seqs: Sequence[Sequence[int]]) -> tuple[bool, bytes]:
     """(whether the sequences carry marks, the int32 frame of ``seqs``)."""
-    lengths = [len(s) for s in seqs]
-    marked = any(isinstance(s, MarkedIds) for s in seqs)
-    head = lengths
+    values = [len(s) for s in seqs]
+    marked = False
+    for s in seqs:  # (a loop, not any() over a generator: most requests are one sequence)
+        if isinstance(s, MarkedIds):
+            marked = True
+            break
     if marked:
         pairs = [marks(s) for s in seqs]
-        head = lengths + [b for b, _ in pairs] + [p for _, p in pairs] + [int(is_raw(s)) for s in seqs]
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=sum(lengths))
-    return marked, np.asarray(head, dtype=np.int32).tobytes() + flat.tobytes()
+        values += [b for b, _ in pairs] + [p for _, p in pairs] + [int(is_raw(s)) for s in seqs]
+    for s in seqs:
+        values += s
+    return marked, array("i", values).tobytes()
 
 
 def split_frame(sizes: Sequence[int], frame: Any, itemsize: int = 4) -> list[memoryview]:
@@ -172,29 +177,61 @@ def split_frame(sizes: Sequence[int], frame: Any, itemsize: int = 4) -> list[mem
     return [view[a:b] for a, b in zip([0, *ends], ends, strict=False)]
 
 
-def unpack_job(job: Job, frame: Any, info: ModelInfo) -> list[list[int]]:
-    """The sequences of ``job`` from its frame, checked against ``info`` (sizes, lengths, ids)."""
+def unpack_submit(
+    msg: Submit, frame: Any, infos: Sequence[ModelInfo]
+) -> list[list[list[int]] | ProtocolError]:
+    """Each job's sequences from the message's frame, checked against its model's facts (``infos``, by
+    index), or why that job breaks the protocol (the others stand). Raises :class:`ProtocolError` when
+    the sizes do not account for the frame: then nothing in it can be trusted.
+
+    The frame becomes Python ints once per message, not once per job: a job of a few dozen ids then
+    costs slices and Python's min and max, which beat numpy's fixed microsecond or two per call there;
+    only a job of many ids has its vocabulary checked by numpy."""
+    sizes = msg.sizes
     data = np.frombuffer(frame, dtype=np.int32)
+    if len(sizes) != len(msg.jobs) or any(size < 0 for size in sizes) or sum(sizes) != data.size:
+        raise ProtocolError(f"{len(sizes)} sizes for {len(msg.jobs)} jobs, {sum(sizes)} ids in a frame of "
+                            f"{data.nbytes} bytes")
+    values = data.tolist()
+    out: list[list[list[int]] | ProtocolError] = []
+    at = 0
+    for job, size in zip(msg.jobs, sizes, strict=True):
+        end = at + size
+        try:
+            if not 0 <= job.model < len(infos):
+                raise ProtocolError(f"job {job.id}: no model {job.model}")
+            out.append(_unpack(job, values, data, at, end, infos[job.model]))
+        except ProtocolError as exc:
+            out.append(exc)
+        at = end
+    return out
+
+
+def _unpack(job: Job, values: list[int], data: np.ndarray, at: int, end: int,
+            info: ModelInfo) -> list[list[int]]:
+    """``job``'s sequences from ``values[at:end]`` (``data`` holds the same ids as numpy)."""
     n = job.n
     head = n * (4 if job.marked else 1)
-    if n < 1 or data.size < head:
-        raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {data.size} ids")
-    # Most jobs are a query of a few dozen ids: Python's min and max over a list are several times
-    # cheaper there than numpy's reductions (a fixed microsecond or two each); large jobs use numpy.
-    values = data.tolist()
-    lengths = values[:n]
-    if min(lengths) < 1 or max(lengths) > info.max_tokens or sum(lengths) != data.size - head:
+    if n < 1 or end - at < head:
+        raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {end - at} ids")
+    if job.tokens and not info.token_embeddings:
+        raise ProtocolError(f"job {job.id}: model {job.model} returns no token embeddings")
+    start = at + head
+    lengths = values[at : at + n]
+    if min(lengths) < 1 or max(lengths) > info.max_tokens or sum(lengths) != end - start:
         raise ProtocolError(f"job {job.id}: sequence lengths do not match the frame")
-    flat = values[head:]
-    if flat:
-        ids = data[head:] if len(flat) > _NUMPY_FROM else flat
-        if min(ids) < 0 or max(ids) >= info.vocab_size:
-            raise ProtocolError(f"job {job.id}: a token id is outside the model's vocabulary")
+    flat = values[start:end]
+    ids = data[start:end] if end - start > _NUMPY_FROM else flat
+    if min(ids) < 0 or max(ids) >= info.vocab_size:
+        raise ProtocolError(f"job {job.id}: a token id is outside the model's vocabulary")
+    if n == 1 and not job.marked:
+        return [flat]  # the common query: one plain sequence
     ends = list(itertools.accumulate(lengths))
     starts = [0, *ends[:-1]]
     if not job.marked:
         return [flat[a:b] for a, b in zip(starts, ends, strict=True)]
-    b_starts, pool_starts, raws = values[n : 2 * n], values[2 * n : 3 * n], values[3 * n : head]
+    b_starts, pool_starts, raws = values[at + n : at + 2 * n], values[at + 2 * n : at + 3 * n], \
+        values[at + 3 * n : start]
     marks_ = zip(b_starts, pool_starts, raws, lengths, strict=True)
     if any(k >= length or not 0 <= p < length or r not in (0, 1) for k, p, r, length in marks_):
         raise ProtocolError(f"job {job.id}: a mark is outside its sequence")

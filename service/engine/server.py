@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from functools import partial
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,9 @@ import zmq
 from coalesce.kernels.protocol import OutputKind
 
 from .. import tracing
-from ..batching.batcher import RequestResult
+from ..batching.batcher import Batcher, RequestResult, Ticket
 from ..batching.scheduler import Scheduler
-from ..errors import CoalesceError, InferenceFailed, Unavailable
+from ..errors import CoalesceError, Unavailable
 from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import Settings
@@ -55,7 +55,7 @@ class GatewayLink:
         self._link = Link(ctx, f"gateway-{index}", self._on_message,
                           zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, self._on_event)
         self._link.sock.bind(address)
-        self._jobs: dict[int, asyncio.Future[RequestResult]] = {}
+        self._jobs: dict[int, tuple[Batcher, Ticket]] = {}  # admitted, not answered yet
         self._offers: list[wire.ModelOffer] | None = None
         self._error: str | None = None
         self._greeted = False  # the gateway said Hello
@@ -87,10 +87,11 @@ class GatewayLink:
         if isinstance(msg, wire.Submit):
             self._submit(msg, parts[1:])
         elif isinstance(msg, wire.Cancel):
+            jobs = self._jobs
             for job_id in msg.ids:
-                fut = self._jobs.pop(job_id, None)
-                if fut is not None:
-                    fut.cancel()  # its batcher drops the inputs still waiting
+                held = jobs.pop(job_id, None)
+                if held is not None:
+                    held[0].withdraw(held[1])  # its batcher drops the inputs still waiting
         else:
             self._greeted = True
             log.info("gateway_connected", gateway=msg.gateway, pid=msg.pid)
@@ -102,55 +103,57 @@ class GatewayLink:
         self._send([wire.encoder.encode(wire.Refused(reason))])
 
     def _submit(self, msg: wire.Submit, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 1 or len(msg.sizes) != len(msg.jobs):
-            self._refuse(f"{len(msg.jobs)} jobs of {len(msg.sizes)} sizes with {len(frames)} frames "
-                         "(one frame holds them all)")
+        if len(frames) != 1:
+            self._refuse(f"{len(msg.jobs)} jobs with {len(frames)} frames (one frame holds them all)")
             return
+        if self._offers is None:
+            for job in msg.jobs:
+                self._fail(job.id, Unavailable("The models are still loading; retry shortly.", retry_after=2,
+                                               code="loading"))
+            return
+        models = self._engine.models
         try:
-            pieces = wire.split_frame(msg.sizes, frames[0].buffer)
+            unpacked = wire.unpack_submit(msg, frames[0].buffer, [m.info for m in models])
         except wire.ProtocolError as exc:
             self._refuse(str(exc))
             return
-        models = self._engine.models
-        for job, piece in zip(msg.jobs, pieces, strict=True):
+        jobs, reply = self._jobs, self._reply
+        for job, seqs in zip(msg.jobs, unpacked, strict=True):
+            if isinstance(seqs, wire.ProtocolError):
+                self._malformed(job.id, seqs)
+                continue
+            batcher = models[job.model].batcher
             try:
-                if self._offers is None:
-                    raise Unavailable("The models are still loading; retry shortly.", retry_after=2,
-                                      code="loading")
-                if not 0 <= job.model < len(models):
-                    raise wire.ProtocolError(f"job {job.id}: no model {job.model}")
-                model = models[job.model]
-                if job.tokens and not model.info.token_embeddings:
-                    raise wire.ProtocolError(f"job {job.id}: model {job.model} returns no token embeddings")
-                seqs = wire.unpack_job(job, piece, model.info)
-                fut = model.batcher.submit(
-                    seqs, tenant=job.tenant, weight=job.weight, priority=job.priority, deadline=job.deadline,
-                    kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED, arrived=job.arrived or None,
-                    link=_link(job.trace),
+                ticket = batcher.enqueue(
+                    seqs, reply, job.id, tenant=job.tenant, weight=job.weight, priority=job.priority,
+                    deadline=job.deadline, kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED,
+                    arrived=job.arrived or None, link=_link(job.trace),
                 )
-            except wire.ProtocolError as exc:
-                log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
-                self._fail(job.id, CoalesceError(f"The gateway sent a malformed job: {exc}",
-                                                 code="protocol_error"))
+            except wire.ProtocolError as exc:  # a span context of the wrong size
+                self._malformed(job.id, exc)
             except CoalesceError as err:
                 self._fail(job.id, err)
             else:
-                self._jobs[job.id] = fut
-                fut.add_done_callback(partial(self._finished, job.id))
+                if not ticket.done:  # (every input cached: answered already)
+                    jobs[job.id] = (batcher, ticket)
+
+    def _malformed(self, job_id: int, exc: wire.ProtocolError) -> None:
+        log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
+        self._fail(job_id, CoalesceError(f"The gateway sent a malformed job: {exc}", code="protocol_error"))
 
     # -- outgoing ------------------------------------------------------------------------------------
-    def _finished(self, job_id: int, fut: asyncio.Future[RequestResult]) -> None:
-        if self._jobs.pop(job_id, None) is None or fut.cancelled():
-            return  # withdrawn by the gateway: nobody to tell
-        exc = fut.exception()
-        if exc is not None:
-            err = exc if isinstance(exc, CoalesceError) else InferenceFailed(f"{type(exc).__name__}: {exc}")
-            self._fail(job_id, err)
+    def _reply(self, job_id: Hashable, outcome: RequestResult | CoalesceError) -> None:
+        """A batcher's answer to one job (never to one withdrawn): into this turn's message."""
+        assert isinstance(job_id, int)
+        self._jobs.pop(job_id, None)
+        if not isinstance(outcome, RequestResult):
+            self._fail(job_id, outcome)
             return
-        result = fut.result()
-        rows = np.ascontiguousarray(result.rows, dtype=np.float32)
-        self._done.append(wire.Done(job_id, rows.shape[0], rows.shape[1], result.queue_s, result.forward_s,
-                                    result.batches))
+        rows = outcome.rows
+        if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+            rows = np.ascontiguousarray(rows, dtype=np.float32)
+        self._done.append(wire.Done(job_id, rows.shape[0], rows.shape[1], outcome.queue_s, outcome.forward_s,
+                                    outcome.batches))
         self._frames.append(rows)
         self._schedule_flush()
 
@@ -186,8 +189,8 @@ class GatewayLink:
         if self._jobs:
             log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
         jobs, self._jobs = self._jobs, {}
-        for fut in jobs.values():
-            fut.cancel()
+        for batcher, ticket in jobs.values():
+            batcher.withdraw(ticket)
 
     def close(self) -> None:
         self._link.close()

@@ -165,19 +165,22 @@ class EngineClient:
     def _results(self, msg: wire.Results, frames: Sequence[zmq.Frame]) -> None:
         self._queues, self._queues_at = msg.queues, time.monotonic()
         waiting = self._waiting
-        try:
-            pieces = wire.split_frame([d.n * d.dim for d in msg.done], frames[0].buffer if frames else b"")
-        except wire.ProtocolError as exc:  # the engine and this gateway disagree: loud, not fatal
+        sizes = [d.n * d.dim for d in msg.done]
+        rows = np.frombuffer(frames[0].buffer if frames else b"", dtype=np.float32)
+        if any(size < 0 for size in sizes) or sum(sizes) != rows.size:  # loud, not fatal
+            exc = wire.ProtocolError(f"{len(sizes)} pieces of {sum(sizes)} items in a frame of {rows.nbytes} "
+                                     "bytes")
             log.error("engine_message_refused", error=str(exc))
             err = InferenceFailed(f"The model engine sent rows this gateway cannot read: {exc}")
             lost = [wire.Failed(d.id, wire.failure(err)) for d in msg.done]
             msg = wire.Results([], [*msg.failed, *lost], msg.queues)
-            pieces = []
-        for done, piece in zip(msg.done, pieces, strict=True):
+        at = 0
+        for done, size in zip(msg.done, sizes, strict=False):  # (none when the rows could not be read)
             fut = waiting.get(done.id)
             if fut is not None and not fut.done():
-                rows = np.frombuffer(piece, dtype=np.float32).reshape(done.n, done.dim)
-                fut.set_result(RequestResult(rows, done.queue_s, done.forward_s, done.batches))
+                block = rows[at : at + size].reshape(done.n, done.dim)  # a view of the message's frame
+                fut.set_result(RequestResult(block, done.queue_s, done.forward_s, done.batches))
+            at += size
         for failed in msg.failed:
             fut = waiting.get(failed.id)
             if fut is not None and not fut.done():

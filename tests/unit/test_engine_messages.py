@@ -16,32 +16,50 @@ def _job(n: int, marked: bool) -> wire.Job:
     return wire.Job(7, 0, n, marked, "t", 1.0, 1, 0.0)
 
 
+def unpack_job(job: wire.Job, frame: bytes) -> list[list[int]]:
+    """``job``'s sequences, sent alone in a message."""
+    (got,) = wire.unpack_submit(wire.Submit([job], [len(frame) // 4]), frame, [INFO])
+    if isinstance(got, wire.ProtocolError):
+        raise got
+    return got
+
+
 def test_sequences_and_their_marks_round_trip() -> None:
     plain = [[1, 5, 2], [1, 2]]
     marked, frame = wire.pack_job(plain)
     assert not marked
-    assert wire.unpack_job(_job(2, marked), frame, INFO) == plain
+    assert unpack_job(_job(2, marked), frame) == plain
 
     mixed = [PairIds([1, 5, 2, 6, 2], 3), PromptIds([1, 9, 9, 4, 2], 3), [1, 8, 2],
              WindowIds([1, 7, 7, 2], 1)]
     marked, frame = wire.pack_job(mixed)
-    got = wire.unpack_job(_job(4, marked), frame, INFO)
+    got = unpack_job(_job(4, marked), frame)
     assert marked and [list(s) for s in got] == [list(s) for s in mixed]
     assert [marks(s) for s in got] == [(3, 0), (-1, 3), (-1, 0), (-1, 1)]
     assert [is_raw(s) for s in got] == [False, False, False, True]  # a window's row comes back unnormalised
     assert all(isinstance(s, MarkedIds) for s in got)
 
 
-def test_one_frame_carries_every_job_of_a_message() -> None:
-    jobs = [[[1, 5, 2]], [PairIds([1, 5, 2, 6, 2], 3)], [[1, 2], [1, 9, 9, 2]]]
+def test_one_frame_carries_every_job_of_a_message_and_a_broken_job_breaks_only_itself() -> None:
+    jobs = [[[1, 5, 2]], [PairIds([1, 5, 2, 6, 2], 3)], [[1, 200, 2]], [[1, 2], [1, 9, 9, 2]]]
     packed = [wire.pack_job(seqs) for seqs in jobs]
     sizes = [len(frame) // 4 for _, frame in packed]
-    pieces = wire.split_frame(sizes, b"".join(frame for _, frame in packed))
-    got = [wire.unpack_job(_job(len(seqs), marked), piece, INFO)
-           for seqs, (marked, _), piece in zip(jobs, packed, pieces, strict=True)]
+    msg = wire.Submit([_job(len(seqs), marked) for seqs, (marked, _) in zip(jobs, packed, strict=True)],
+                      sizes)
+    got = wire.unpack_submit(msg, b"".join(frame for _, frame in packed), [INFO])
+    assert isinstance(got[2], wire.ProtocolError) and "vocabulary" in str(got[2])  # 200: past the vocabulary
+    del got[2], jobs[2]
     assert [[list(s) for s in seqs] for seqs in got] == [[list(s) for s in seqs] for seqs in jobs]
     assert marks(got[1][0]) == (3, 0)
     assert wire.split_frame([], b"") == []  # a reply that refuses every request carries no rows
+
+
+@pytest.mark.parametrize(("sizes", "n_ids"), [([3, 2], 4), ([3, 2], 6), ([3, -1], 2), ([], 1), ([1], 1)])
+def test_a_message_whose_sizes_do_not_account_for_its_frame_is_refused_whole(sizes: list[int], n_ids: int
+                                                                               ) -> None:
+    msg = wire.Submit([_job(1, False) for _ in range(2 if sizes == [1] else len(sizes))], sizes)
+    with pytest.raises(wire.ProtocolError, match="in a frame of"):
+        wire.unpack_submit(msg, bytes(4 * n_ids), [INFO])
 
 
 @pytest.mark.parametrize(("sizes", "nbytes"), [([3, 2], 16), ([3, 2], 24), ([3, -1], 8), ([], 4)])
@@ -58,22 +76,23 @@ def test_sizes_that_do_not_account_for_the_frame_are_refused(sizes: list[int], n
         (np.array([17, *range(17)], dtype=np.int32), 1, "lengths do not match"),  # longer than the model
         (np.array([0], dtype=np.int32), 1, "lengths do not match"),
         (np.array([], dtype=np.int32), 1, "sequences in a frame"),
+        (np.array([1, 5], dtype=np.int32), 0, "sequences in a frame"),
     ],
 )
 def test_a_broken_frame_is_refused_with_why(frame: np.ndarray, n: int, why: str) -> None:
     with pytest.raises(wire.ProtocolError, match=why):
-        wire.unpack_job(_job(n, False), frame.tobytes(), INFO)
+        unpack_job(_job(n, False), frame.tobytes())
 
 
 @pytest.mark.parametrize("bad", [-1, 100])
 def test_a_large_job_is_checked_as_closely_as_a_small_one(bad: int) -> None:
     seqs = [[1, *range(3, 16), 2] for _ in range(100)]  # 1,500 ids: past the size checked in Python
     marked, frame = wire.pack_job(seqs)
-    assert wire.unpack_job(_job(100, marked), frame, INFO) == seqs
+    assert unpack_job(_job(100, marked), frame) == seqs
     seqs[57][4] = bad
     marked, frame = wire.pack_job(seqs)
     with pytest.raises(wire.ProtocolError, match="outside the model's vocabulary"):
-        wire.unpack_job(_job(100, marked), frame, INFO)
+        unpack_job(_job(100, marked), frame)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +104,7 @@ def test_a_large_job_is_checked_as_closely_as_a_small_one(bad: int) -> None:
 )
 def test_a_mark_outside_its_sequence_is_refused(frame: list[int]) -> None:
     with pytest.raises(wire.ProtocolError, match="mark is outside"):
-        wire.unpack_job(_job(1, True), np.array(frame, dtype=np.int32).tobytes(), INFO)
+        unpack_job(_job(1, True), np.array(frame, dtype=np.int32).tobytes())
 
 
 @pytest.mark.parametrize(
@@ -107,3 +126,15 @@ def test_a_refusal_crosses_as_the_same_error(err: Exception) -> None:
         err.param,
     )  # type: ignore[attr-defined]
     assert back.headers() == err.headers()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("job", "why"),
+    [
+        (wire.Job(7, 1, 1, False, "t", 1.0, 1, 0.0), "no model 1"),
+        (wire.Job(7, 0, 1, False, "t", 1.0, 1, 0.0, tokens=True), "returns no token embeddings"),
+    ],
+)
+def test_a_job_for_a_model_that_cannot_serve_it_is_refused(job: wire.Job, why: str) -> None:
+    with pytest.raises(wire.ProtocolError, match=why):
+        unpack_job(job, np.array([2, 1, 2], dtype=np.int32).tobytes())
