@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .cost import CostModel
-from .fair import DEFAULT_TENANT, Entry, FairQueue
+from .fair import DEFAULT_TENANT, PRIORITIES, Entry, FairQueue
 from .overload import DrainPace, Regime, RetryPacer
 from .policy import PaddedCost
 
@@ -188,10 +188,11 @@ class Admitter:
         alone; the others by the batch they would ride in); otherwise those that waited past
         ``burst_wait_s``. They are answered (429 ``late``), not computed late.
 
-        Except, under a standing queue, inputs of a priority class above the lowest one waiting: fair
-        order weights them ahead of that class, so the queue is hardly what made them late (a running
-        batch, a gateway busy refusing the flood is), and dropping them would refuse a ``high`` query
-        for a ``low`` flood's sake; the lowest class's inputs are what is dropped."""
+        Except, under a standing queue, ``high`` inputs, and ``normal`` ones while ``low`` ones wait:
+        fair order weights them ahead of the lower classes, so the queue is hardly what made them late
+        (a running batch, a gateway busy refusing a flood is), and dropping them would refuse a ``high``
+        query for a ``low`` flood's sake — even when the flood's inputs in the queue were all just
+        refused or dropped. Admission at the door is what sheds a flood of ``high`` requests."""
         if not self.on or not waiting:
             return []
         cfg = self.config
@@ -200,7 +201,7 @@ class Admitter:
         anchor = waiting[0]
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
-        lowest = max(e.priority for e in waiting)
+        lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
         late = [e for e in waiting[1:] if e.lead and e.priority == lowest and start - e.arrival > limit]
         anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
         if anchor.lead and anchor.priority == lowest and anchor_late:

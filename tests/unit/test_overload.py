@@ -201,7 +201,7 @@ def test_time_spent_before_admission_counts() -> None:
     assert late is not None and late.reason == "overloaded" and late.retry_after > 0
 
 
-def test_under_a_standing_queue_late_inputs_of_the_lowest_class_are_dropped_not_a_high_query() -> None:
+def test_under_a_standing_queue_late_inputs_of_the_lower_classes_are_dropped_not_a_high_query() -> None:
     # A high query that waited past the bound while a low flood stood (a long running batch, a gateway
     # busy refusing the flood) is still computed; the flood's late inputs are answered 429 late.
     cost = CostModel()
@@ -217,10 +217,12 @@ def test_under_a_standing_queue_late_inputs_of_the_lowest_class_are_dropped_not_
     window = s._queue.window(64)
     late = s.admission.late(window, 0.0, 0.0)
     assert len(late) == 40 and {e.priority for e in late} == {2}
-    # With no lower class waiting, a late high input is dropped like any other.
-    alone = s._queue.window(64)
-    s._queue.take([e for e in alone if e.priority == 2], charge=False)
-    assert [e.flow for e in s.admission.late(s._queue.window(64), 0.0, 0.0)] == [99]
+    # The flood's inputs just refused or dropped, the query alone is still computed; a late normal
+    # input with no lower class waiting is dropped like any other.
+    s._queue.take([e for e in s._queue.window(64) if e.priority == 2], charge=False)
+    assert s.admission.late(s._queue.window(64), 0.0, 0.0) == []
+    s.add([Entry(TOKENS, -1.0, flow=100, priority=1)])
+    assert [e.flow for e in s.admission.late(s._queue.window(64), 0.0, 0.0)] == [100]
 
 
 def test_the_regime_stands_only_after_a_whole_interval_of_an_old_queue_with_arrivals_going_on() -> None:
