@@ -30,7 +30,7 @@ from typing import Literal
 
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, PRIORITIES, Entry, FairQueue
-from .overload import DrainPace, Regime, RetryPacer
+from .overload import Regime, RetryPacer
 from .policy import PaddedCost
 
 Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
@@ -57,7 +57,6 @@ class Admitter:
         self._padded_cost = padded_cost
         self._busy_s = busy_s
         self._padding = 1.0  # padded ÷ real tokens of recent batches
-        self._pace = DrainPace()
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer()
@@ -215,17 +214,13 @@ class Admitter:
         return [self._pacer.after(now, room, e.n_tokens / rate) for e in dropped]
 
     def capacity(self) -> float:
-        """Real tokens per second the model serves in batches as full as the limits allow, of inputs
-        like those waiting (of 16 tokens when none waits), padded as recent batches were (refused
-        callers are paced on it, and a rate that forgot the padding brought them back faster than the
-        queue drains). From the forwards' predicted times: in the simulator, pacing and judging arrivals
-        on the measured drain pace (:class:`.overload.DrainPace`) instead kept a slow machine's queue
-        standing and lost burst callers that the forwards' rate let in."""
+        """Tokens per second the model serves in batches as full as the limits allow, of inputs like
+        those waiting (of 16 tokens when none waits): the regime compares arrivals with it, and refused
+        callers are paced on it."""
         queue = self._queue
         longest = max(queue.tokens // queue.items if queue.items else 16, 1)
-        n, coef = self.config.max_batch_size, self._cost.coef
-        seconds = coef.overhead_s + coef.per_token_s * self._padded_cost(n, longest) * self._padding
-        return n * longest / max(seconds, 1e-9)
+        n = self.config.max_batch_size
+        return n * longest / max(self._cost.predict(self._padded_cost(n, longest)), 1e-9)
 
     @property
     def batch_limit_s(self) -> float:
@@ -245,13 +240,11 @@ class Admitter:
         alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
         return min(full, max(alone, self.batch_limit_s))
 
-    def dispatched(self, tokens: int, padded: int, predicted_s: float, now: float) -> None:
-        """A batch of ``tokens`` real tokens ran as ``padded`` (the cost model's unit), predicted to take
-        ``predicted_s``, from ``now``: predicted waits count the queue's tokens as the recent batches
-        padded them, and as much slower than predicted as the backlog drains."""
+    def dispatched(self, tokens: int, padded: int) -> None:
+        """A batch of ``tokens`` real tokens ran as ``padded`` (the cost model's unit): predicted waits
+        count the queue's tokens as the recent batches padded them."""
         if tokens > 0:
             self._padding += 0.1 * (padded / tokens - self._padding)
-        self._pace.dispatched(predicted_s, now, self._queue.items > 0)
 
     def wait_s(self, ahead_tokens: int, now: float) -> float:
         """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) have
@@ -267,15 +260,12 @@ class Admitter:
     def _run_s(self, inputs: float, tokens: float) -> float:
         """Seconds to run ``inputs`` waiting inputs of ``tokens`` tokens: padded as recent batches
         were, in batches as large as the limits allow — under a standing queue, as large as fit
-        :attr:`batch_limit_s` — and as much slower than the forwards predict as the queue was last seen
-        to drain (a wait predicted from the forwards alone admitted a busy machine's burst to be dropped
-        as late, or refused again, when its time came)."""
+        :attr:`batch_limit_s`."""
         coef, size = self._cost.coef, self.config.max_batch_size
         if self.regime.standing and inputs:
             per_input = coef.per_token_s * self._padding * tokens / inputs
             size = max(1, min(size, int((self.batch_limit_s - coef.overhead_s) / max(per_input, 1e-9))))
-        run = math.ceil(inputs / size) * coef.overhead_s + tokens * self._padding * coef.per_token_s
-        return run * self._pace.slowdown()
+        return math.ceil(inputs / size) * coef.overhead_s + tokens * self._padding * coef.per_token_s
 
 
 def judge_wait(

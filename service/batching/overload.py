@@ -118,48 +118,6 @@ class Regime:
         return self.standing
 
 
-class DrainPace:
-    """How many times longer than its forwards predict a backlog takes to drain, from the batches
-    dispatched over the last :attr:`WINDOW_S` (None until it has seen enough of a backlog).
-
-    The cost model predicts a forward's time; a queue drains slower by whatever else the process and
-    the machine do between forwards — tokenising, answering and refusing callers, other programs on the
-    cores. On a busy 2-core machine a thousand-chunk burst drained at half the pace its forwards
-    predicted: its callers were admitted on a predicted wait of 10 s, dropped as late after 12, and
-    refused again on their retries. While inputs wait after every dispatch the model is never idle for
-    want of work, so the dispatches' pace is the drain's; a dispatch that leaves nothing waiting ends
-    the measurement (what follows is paced by arrivals, not by the model)."""
-
-    WINDOW_S = 2.0
-    MIN_SPAN_S = 0.5  # a backlog shorter than this says too little
-
-    def __init__(self) -> None:
-        self._runs: deque[tuple[float, float]] = deque()  # (when, predicted s) of dispatches in a backlog
-        self._predicted = 0.0  # their predicted seconds, the newest's excluded (it runs after the span)
-
-    def dispatched(self, predicted_s: float, now: float, backlog: bool) -> None:
-        """A batch predicted to take ``predicted_s`` was dispatched at ``now``; ``backlog``: inputs
-        still wait."""
-        runs = self._runs
-        if not backlog:
-            runs.clear()
-            self._predicted = 0.0
-            return
-        if runs:
-            self._predicted += runs[-1][1]
-        runs.append((now, predicted_s))
-        while len(runs) > 3 and runs[1][0] < now - self.WINDOW_S:
-            self._predicted -= runs.popleft()[1]
-
-    def slowdown(self) -> float:
-        """Measured drain time ÷ predicted, at least 1 (1 while too little is known)."""
-        runs = self._runs
-        span = runs[-1][0] - runs[0][0] if runs else 0.0
-        if len(runs) < 3 or span < self.MIN_SPAN_S or self._predicted <= 0:
-            return 1.0
-        return max(1.0, span / self._predicted)
-
-
 class RetryPacer:
     """Retry-After for refused callers, so that those who honour it are admitted on their retry."""
 

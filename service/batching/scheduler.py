@@ -304,7 +304,7 @@ class Scheduler:
         elif batch[0].bulk:
             self._promoted_s = 0.0
         self._queue.take(batch, charge=True)
-        self.admission.dispatched(sum(e.n_tokens for e in batch), padded, predicted, now)
+        self.admission.dispatched(sum(e.n_tokens for e in batch), padded)
         self.inflight += 1
         self.busy_until = start + predicted
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)

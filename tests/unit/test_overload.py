@@ -10,7 +10,7 @@ import random
 import pytest
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
-from coalesce.service.batching.overload import DrainPace, Regime, RetryPacer
+from coalesce.service.batching.overload import Regime, RetryPacer
 from coalesce.service.batching.scheduler import Scheduler
 
 from .sim import Arrival, Result, poisson, simulate
@@ -108,42 +108,6 @@ def test_burst_callers_get_in_when_the_queue_drains_slower_than_the_forwards_pre
         res = simulate(shedding(), burst, A, B, seed=seed, noise=0.15, stall=stall)
         assert res.retried > 0
         assert res.failed == [] and res.completed == 1000, (seed, len(res.failed))
-
-
-def test_the_drain_pace_is_measured_only_while_a_backlog_waits() -> None:
-    pace = DrainPace()
-    assert pace.slowdown() == 1.0
-    for k in range(5):  # batches predicted at 0.1 s dispatched every 0.25 s, inputs waiting after each
-        pace.dispatched(0.1, 0.25 * k, backlog=True)
-    assert pace.slowdown() == pytest.approx(2.5)
-    pace.dispatched(0.1, 1.25, backlog=False)  # the queue emptied: what follows is paced by arrivals
-    assert pace.slowdown() == 1.0
-    for k in range(2):
-        pace.dispatched(0.1, 2.0 + 0.1 * k, backlog=True)
-    assert pace.slowdown() == 1.0  # too short a backlog to tell
-    for k in range(40):  # later, as predicted: the window forgets the slow pace
-        pace.dispatched(0.1, 3.0 + 0.1 * k, backlog=True)
-    assert pace.slowdown() == pytest.approx(1.0)
-    for k in range(40):  # never faster than predicted: a batch cannot run in less than its forward
-        pace.dispatched(0.1, 8.0 + 0.05 * k, backlog=True)
-    assert pace.slowdown() == 1.0
-
-
-def test_predicted_waits_follow_the_pace_the_queue_drains_at() -> None:
-    cost = CostModel()
-    for n in (16, 256, 1024):
-        cost.observe(n, A + B * n)
-    s = Scheduler(shedding(), cost, lambda n, m: n * m)
-    s.add([Entry(TOKENS, 0.0, flow=i) for i in range(400)])
-    forward = cost.predict(32 * TOKENS)
-    capacity, wait = s.admission.capacity(), s.admission.drain_s(0.0)
-    for k in range(10):  # batches of 32 dispatched at half the pace their forwards predict
-        s._queue.take(s._queue.window(32), charge=True)
-        s.admission.dispatched(32 * TOKENS, 32 * TOKENS, forward, 2 * k * forward)
-    # The 80 inputs left are predicted to take twice what the forwards alone say; Retry-After is still
-    # paced on the forwards' rate (the simulator: pacing on the measured pace lost burst callers).
-    assert s.admission.drain_s(0.0) == pytest.approx(2 * wait * 80 / 400, rel=0.1)
-    assert s.admission.capacity() == pytest.approx(capacity)
 
 
 def test_a_standing_queue_stands_until_arrivals_fall_clearly_below_the_model_s_rate() -> None:
