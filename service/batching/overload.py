@@ -130,8 +130,8 @@ class RetryPacer:
     # Never tell a caller to come back later than this: the ``openai`` client honours a Retry-After of
     # up to 60 s (two minutes in its 3.x releases) and beyond it backs off on its own (0.5–8 s) or
     # gives up. No shorter: a bound below what a burst needs tells every caller past it the same
-    # instant, and they return as one wave that the queue refuses again (a thousand-chunk burst on a
-    # busy CPU, 50 s of work ahead, lost 600 callers after their two retries with the old 10 s bound).
+    # instant, and they return as one wave that the queue refuses again (with the old 10 s bound, a
+    # thousand-chunk burst on a busy CPU lost hundreds of callers after their two retries).
     LONGEST_S = 60.0
 
     def __init__(self, longest_s: float = LONGEST_S) -> None:
