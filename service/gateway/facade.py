@@ -304,8 +304,7 @@ class RemoteModel(ServedModel):
         if verdict is not None:
             reason, allowed, what = verdict
             # Each gateway paces its own refusals: one in N of the returning callers is its own.
-            cost = total / queue.capacity * self._gateways if queue.capacity > 0 else \
-                (queue.per_token_s * total + queue.overhead_s * inputs / cfg.max_batch_size) * self._gateways
+            cost = total / max(queue.capacity, 1e-9) * self._gateways
             retry = self._pacer.after(now, wait - max(allowed, 0.0) / 2, cost)
             self._refuse(Refusal(reason, f"{what}; retry in {retry:.3f} s.", retry))
 
