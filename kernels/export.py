@@ -253,18 +253,14 @@ def _quantize(fp32: Path, target: Path, feeds: list[dict[str, np.ndarray]]) -> d
     normalised input (into the up projection). MatMuls of two activations (attention scores) and
     embedding tables stay float.
 
-    Measured with the packaged MiniLM on the quality bench's corpus (1,258 paragraphs of Python's
-    reference documentation), recall@10 against the fp32 export's rows: every attention projection,
-    MinMax alone, 0.950 (mean cosine 0.998); calibrated on longer sequences too (the corpus sentences
-    joined into paragraphs) 0.949; with SmoothQuant at α 0.5 0.964 (α 0.75 0.964, the α that minimises
-    each projection's error on the corpus 0.965; smoothing the output projection too, folded into the
-    value projection, 0.960); one layer left float 0.966-0.968 whichever, the first two 0.969, the first
-    two and the last 0.973, the first three 0.975 (this scheme: 12 of the 36 weight MatMuls quantised,
-    mean cosine 0.9995; the later three's feed-forward up projections too, smoothed alike: 0.967). What
-    limits it is the activations' one scale per tensor: with 16-bit activations the same weights keep
-    0.987. ONNX Runtime's 8-bit weight-only MatMulNBits (int8 activations per row) kept 0.982 with every
-    weight MatMul, but ran slower than float32 at batch 32, and with 128-wide blocks its rows moved by
-    4e-3 with their batch.
+    Chosen over the alternatives tried while building it, in uncommitted trials on the quality bench's
+    corpus (so no figure of theirs is quoted): every attention projection with MinMax alone (the
+    previous scheme: recall@10 0.950 in the committed `bench --only quality`), calibration on longer
+    sequences, other SmoothQuant strengths, smoothing the output projection too, fewer or other layers
+    left float, the feed-forward up projections quantised too, and ONNX Runtime's weight-only
+    MatMulNBits (better recall, but slower than float32 at batch 32 and, with wide blocks, rows that
+    moved with their batch). What limits this scheme is the activations' one scale per tensor. This one
+    scores recall@10 0.975 in the committed quality section (2026-12-02 04:26).
     """
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static

@@ -87,8 +87,8 @@ def new_core() -> Any:
 def _import_openvino() -> Any:
     """``import openvino`` without its model conversion tools (``openvino.tools.ovc``: ``convert_model``
     and its telemetry set-up), which the package imports eagerly if it can and a server never calls: they
-    were two thirds of the import's time (0.45 of 0.67 s on a busy 2-core machine), paid before every
-    first embedding. A ``None`` in ``sys.modules`` makes that optional import fail the way OpenVINO
+    were most of the import's time (an uncommitted timing, so no figure), paid before every first
+    embedding. A ``None`` in ``sys.modules`` makes that optional import fail the way OpenVINO
     expects (it catches ImportError); the entry is removed again, so a later explicit import of the tools
     in this process still works."""
     if "openvino" in sys.modules:
