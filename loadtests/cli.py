@@ -134,6 +134,11 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         help="open-loop connection cap; requests past it wait, and the wait counts as latency",
     )
     g.add_argument(
+        "--client", choices=("aiohttp", "raw"), default=d.client,
+        help="HTTP client: aiohttp (default), or raw, a lean keep-alive client costing a tenth of the "
+        "CPU per request (use it when the generator shares the server's cores)",
+    )
+    g.add_argument(
         "--cost-per-hour", type=float, default=None, help="price of one replica-hour, for cost figures"
     )
 

@@ -11,6 +11,7 @@ import asyncio
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 import msgspec
@@ -42,6 +43,14 @@ class _Embeddings(msgspec.Struct):
 
 
 _response_decoder = msgspec.json.Decoder(_Embeddings)
+
+
+def response_holds(body: bytes, n_inputs: int) -> bool:
+    """Whether a 200's body holds one embedding per input (else the request counts as a bad response)."""
+    try:
+        return len(_response_decoder.decode(body).data) == n_inputs
+    except msgspec.DecodeError:
+        return False
 
 
 @dataclass
@@ -93,6 +102,12 @@ def _header_ms(headers: Mapping[str, str], name: str) -> float:
         return math.nan
 
 
+class Sender(Protocol):
+    """What the schedules below drive: :class:`Client` (aiohttp) or :class:`.rawclient.RawClient`."""
+
+    async def timed(self, payload: Payload, due: float, t0: float, rec: Recorder) -> None: ...
+
+
 class Client:
     """Sends payloads to one embeddings URL over a shared keep-alive connection pool."""
 
@@ -115,12 +130,8 @@ class Client:
             return STATUS_TIMEOUT, math.nan, math.nan, False
         except aiohttp.ClientError:
             return STATUS_CONNECTION, math.nan, math.nan, False
-        if status == 200:
-            try:
-                if len(_response_decoder.decode(body).data) != payload.n_inputs:
-                    status = STATUS_BAD_RESPONSE
-            except msgspec.DecodeError:
-                status = STATUS_BAD_RESPONSE
+        if status == 200 and not response_holds(body, payload.n_inputs):
+            status = STATUS_BAD_RESPONSE
         return status, queue_ms, infer_ms, retry_after
 
     async def timed(self, payload: Payload, due: float, t0: float, rec: Recorder) -> None:
@@ -138,15 +149,18 @@ class Client:
 
 
 async def run_open(
-    client: Client,
+    client: Sender,
     arrivals: Sequence[float],
     payload_for: Callable[[int], Payload],
     rec: Recorder,
     t0: float,
 ) -> None:
-    """Send request ``i`` at ``t0 + arrivals[i]`` whatever happened to the earlier ones, then wait for all."""
+    """Send request ``i`` at ``t0 + arrivals[i]`` whatever happened to the earlier ones, then wait for all.
+
+    A client with ``fire`` (``rawclient.RawClient``) is handed each request without a task of its own."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
+    fire = getattr(client, "fire", None)
     burst = 0
     for i, offset in enumerate(arrivals):
         due = t0 + offset
@@ -158,16 +172,21 @@ async def run_open(
             burst += 1
             if burst % 64 == 0:  # behind schedule: still let responses in now and then
                 await asyncio.sleep(0)
-        task = asyncio.create_task(client.timed(payload_for(i), due, t0, rec))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        if fire is not None:
+            fire(payload_for(i), due, t0, rec)
+        else:
+            task = asyncio.create_task(client.timed(payload_for(i), due, t0, rec))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         rec.dispatched += 1
+    if fire is not None:
+        await client.drain()  # type: ignore[attr-defined]
     if tasks:
         await asyncio.gather(*tasks)
 
 
 async def run_closed(
-    client: Client,
+    client: Sender,
     concurrency: int,
     duration: float,
     payload_for: Callable[[int], Payload],

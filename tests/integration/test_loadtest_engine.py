@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
 from aiohttp import web
 from coalesce.loadtests.engine import Recorder
 from coalesce.loadtests.results import RunResult
@@ -18,18 +19,22 @@ from coalesce.loadtests.workload import Mix
 
 SERVICE_MS = 20.0  # the serial stub completes at most 50 requests/s
 
+# The tests that say what a generator records run with each HTTP client: aiohttp's and the raw one.
+clients = pytest.mark.parametrize("client", ["aiohttp", "raw"])
+
 
 async def _run(cfg: StubConfig, scenario: Scenario, path: str = "/v1/embeddings") -> RunResult:
     async with serve(cfg) as base:
         return await Runner(Target(base + path), scenario).run()
 
 
-async def test_open_loop_latency_includes_queueing() -> None:
+@clients
+async def test_open_loop_latency_includes_queueing(client: str) -> None:
     # 70 requests/s offered to a server that completes 50/s: a queue builds for the whole run, and
     # latency counted from each scheduled send time grows with it.
     result = await _run(
         StubConfig(service_ms=SERVICE_MS, serial=True),
-        Scenario(mode=Mode.OPEN, rate=70, duration=3.0, warmup=0.0),
+        Scenario(mode=Mode.OPEN, rate=70, duration=3.0, warmup=0.0, client=client),
     )
     step = result.steps[0]
     assert step.error_rate == 0 and step.latency is not None
@@ -53,10 +58,12 @@ async def test_closed_loop_hides_the_queue_that_open_loop_shows() -> None:
     assert closed.latency.max_ms > 500  # the stall itself was seen by the one request that hit it
 
 
-async def test_achieved_rate_is_within_five_percent_of_the_asked_rate() -> None:
+@clients
+async def test_achieved_rate_is_within_five_percent_of_the_asked_rate(client: str) -> None:
     service_ms = 10.0
     result = await _run(
-        StubConfig(service_ms=service_ms), Scenario(mode=Mode.OPEN, rate=100, duration=3.0, warmup=0.5)
+        StubConfig(service_ms=service_ms),
+        Scenario(mode=Mode.OPEN, rate=100, duration=3.0, warmup=0.5, client=client),
     )
     step = result.steps[0]
     assert step.requests == 300
@@ -71,9 +78,11 @@ async def test_achieved_rate_is_within_five_percent_of_the_asked_rate() -> None:
     assert service_ms <= step.latency.p50_ms < 10 * service_ms, step.latency
 
 
-async def test_rejections_and_errors_are_counted_by_status() -> None:
+@clients
+async def test_rejections_and_errors_are_counted_by_status(client: str) -> None:
     result = await _run(
-        StubConfig(reject_every=4), Scenario(mode=Mode.CLOSED, concurrency=4, duration=1.0, warmup=0.0)
+        StubConfig(reject_every=4),
+        Scenario(mode=Mode.CLOSED, concurrency=4, duration=1.0, warmup=0.0, client=client),
     )
     step = result.steps[0]
     assert set(step.by_status) == {"200", "429"}
@@ -81,10 +90,11 @@ async def test_rejections_and_errors_are_counted_by_status() -> None:
     assert step.latency is not None and step.latency.count == step.ok
 
 
-async def test_unreachable_server_counts_connection_errors() -> None:
+@clients
+async def test_unreachable_server_counts_connection_errors(client: str) -> None:
     result = await Runner(
         Target("http://127.0.0.1:9/v1/embeddings", model="m", metrics_url=None),
-        Scenario(mode=Mode.OPEN, rate=20, duration=0.5, warmup=0.0),
+        Scenario(mode=Mode.OPEN, rate=20, duration=0.5, warmup=0.0, client=client),
     ).run()
     step = result.steps[0]
     assert step.by_status == {"connection": 10} and step.ok == 0 and step.latency is None
@@ -142,7 +152,8 @@ async def test_ramp_stops_at_the_first_rate_that_breaks_the_target() -> None:
     assert result.max_rps_within_slo is not None and 20 <= result.max_rps_within_slo < 60
 
 
-async def test_timeouts_and_malformed_answers_are_failures() -> None:
+@clients
+async def test_timeouts_and_malformed_answers_are_failures(client: str) -> None:
     async def slow(_: web.Request) -> web.Response:
         await asyncio.sleep(1.0)
         return web.json_response({"data": [{"index": 0}]})
@@ -159,7 +170,7 @@ async def test_timeouts_and_malformed_answers_are_failures() -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        scenario = Scenario(mode=Mode.OPEN, rate=10, duration=0.5, warmup=0.0, timeout=0.2)
+        scenario = Scenario(mode=Mode.OPEN, rate=10, duration=0.5, warmup=0.0, timeout=0.2, client=client)
         for path, outcome in (("/slow", "timeout"), ("/short", "bad_response")):
             target = Target(f"http://127.0.0.1:{port}{path}", model="m", metrics_url=None)
             step = (await Runner(target, scenario).run()).steps[0]

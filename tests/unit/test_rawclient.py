@@ -1,0 +1,126 @@
+"""The raw load-test client: its response parser on byte streams cut anywhere, and its connections
+against a loopback server (reuse, ``Connection: close``, the in-flight cap)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from aiohttp import web
+from coalesce.loadtests.engine import Recorder
+from coalesce.loadtests.rawclient import RawClient, ResponseParser
+from coalesce.loadtests.workload import Payload
+
+OK = b'{"data":[{"index":0,"embedding":"AAAA"}]}'
+RESPONSES = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-queue-time: 1.5\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(OK), OK)
+    + b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\nContent-Length: 2\r\n\r\n{}"
+    + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=1\r\n world\r\n0\r\n\r\n"
+    + b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
+)
+
+
+def _parse_in_pieces(data: bytes, size: int) -> list[tuple[int, dict[str, str], bytes]]:
+    parser = ResponseParser()
+    out = []
+    for i in range(0, len(data), size):
+        out += parser.feed(data[i : i + size])
+    assert not parser.broken
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64, len(RESPONSES)])
+def test_responses_parse_the_same_however_the_bytes_arrive(size: int) -> None:
+    got = _parse_in_pieces(RESPONSES, size)
+    assert [(status, body) for status, _, body in got] == [(200, OK), (429, b"{}"), (200, b"hello world"),
+                                                           (204, b"")]
+    assert got[0][1]["x-queue-time"] == "1.5"  # names lower-cased
+    assert got[1][1]["retry-after"] == "2"
+    assert got[3][1]["connection"] == "close"
+
+
+@pytest.mark.parametrize("garbage", [b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 abc OK\r\n\r\n",
+                                     b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"])
+def test_bytes_that_are_not_a_response_break_the_parser(garbage: bytes) -> None:
+    parser = ResponseParser()
+    assert parser.feed(garbage) == [] and parser.broken
+
+
+def _payload(i: int = 0) -> Payload:
+    return Payload(b'{"model":"m","input":"text %d"}' % i, 1, (3,))
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_connections_are_kept_alive_and_capped() -> None:
+    peers: set[object] = set()
+    inflight = peak = 0
+
+    async def embed(request: web.Request) -> web.Response:
+        nonlocal inflight, peak
+        await request.read()
+        peers.add(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        inflight += 1
+        peak = max(peak, inflight)
+        await asyncio.sleep(0.02)
+        inflight -= 1
+        return web.json_response({"data": [{"index": 0, "embedding": [0.0]}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/embeddings", embed)
+    runner, base = await _serve(app)
+    client = RawClient(base + "/v1/embeddings", max_inflight=3, timeout_s=5.0)
+    rec = Recorder()
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(30):  # all at once: three go out, the rest wait for a free connection
+            client.fire(_payload(i), t0, t0, rec)
+        await client.drain()
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert rec.status == [200] * 30
+    assert peak <= 3  # never more than the cap in flight
+    assert len(peers) == 3  # three connections opened at once, then reused for the other 27
+    # The queued requests' wait counts: the last answers came about ten service times after t0.
+    assert max(rec.done) >= 9 * 0.02
+
+
+async def test_a_server_that_closes_after_each_answer_costs_a_connection_each() -> None:
+    peers: set[object] = set()
+
+    async def embed(request: web.Request) -> web.Response:
+        await request.read()
+        peers.add(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        body = {"data": [{"index": 0, "embedding": [0.0]}]}
+        return web.json_response(body, headers={"Connection": "close"})
+
+    app = web.Application()
+    app.router.add_post("/e", embed)
+    runner, base = await _serve(app)
+    client = RawClient(base + "/e", max_inflight=2, timeout_s=5.0)
+    rec = Recorder()
+    try:
+        t0 = asyncio.get_running_loop().time()
+        for i in range(6):
+            await client.timed(_payload(i), t0, t0, rec)
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert rec.status == [200] * 6 and len(peers) == 6
+    assert all(math.isnan(q) for q in rec.queue_ms)  # no x-queue-time header: NaN, as aiohttp's client
+
+
+def test_only_plain_http_urls() -> None:
+    with pytest.raises(ValueError, match="http://"):
+        RawClient("https://example.invalid/v1/embeddings", 4, 1.0)
