@@ -1,10 +1,27 @@
-"""The cost model: predicted seconds of one forward as ``a + b × padded tokens``.
+"""The cost model: predicted seconds of one forward as ``a + b × padded tokens``, at the pace forwards
+run now.
 
 Fitted online from measured batches over a sliding window by least squares, refitted after discarding
 points whose residual is far beyond the window's typical one (a GC pause or a noisy neighbour should not
 move the model). Seeded by warm-up batches so the first decisions are already measured, not guessed.
 After the first 16 points a refit runs every ``window // 16``-th batch, so the fit is never more than
 1/16 of a window behind. Pure: no clock, no asyncio, no torch.
+
+**The pace.** A fit that ignores a noisy neighbour also ignores, for as long as its window takes to turn
+over (minutes at a few batches a second under overload), other programs that take the cores for good:
+every forward then runs slower than it predicts. Admission that trusted it admitted, under a standing
+queue, requests that could not start in time and dropped them late — each one decoded, tokenised and
+queued for nothing — while batch forming sized batches for a machine that was gone, and the admitted
+requests' tail passed the target (``tests/unit/test_overload.py``, a machine slowed after warm-up). So
+the coefficients everyone reads (:attr:`CostModel.coef`) are the fit's scaled by the pace: the median,
+over the last :data:`PACE_SPAN` batches, of measured ÷ fitted seconds, against the fit as it is after each
+refit (while the window holds fast and slow batches the robust fit may keep either kind; the pace is
+what makes the pair agree with the last few batches). It follows a lasting change within
+a few batches, ignores a single slow one, and is 1 while forwards run as the fit says; once the fit has
+caught up with a slower machine the pace is back near 1. When every one of the last :data:`PACE_SPAN`
+batches is off the fit by more than :data:`PACE_SHIFT` the same way, the fit itself starts again from
+them: a window holding both machines fits neither, and takes a shape (an overhead several times the
+real one) that no single scale corrects.
 
 **The same inputs give the same coefficients on every machine, to the last bit.** Scheduling compares
 predicted times (a batch against ``--interactive-batch-ms``, a run's rate against another's), and some
@@ -20,7 +37,18 @@ for the large token counts where ``n·Σx² − (Σx)²`` would cancel.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
+
+# The pace: the median of this many batches' measured ÷ fitted seconds, within these bounds (a broken
+# measurement must neither stop admission nor open it wide). It starts once the fit has this many
+# points behind it (warm-up's first batches are measured against a prior, not a fit).
+PACE_SPAN = 9
+PACE_BOUNDS = (0.5, 10.0)
+PACE_AFTER = 4
+# Every one of the last PACE_SPAN batches this far off the fit (slower, or faster by its inverse) is a
+# lasting change, not noise: the fit starts again from them.
+PACE_SHIFT = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,21 +61,27 @@ class Coefficients:
 
 
 class CostModel:
-    """Online robust fit of batch time against padded tokens."""
+    """Online robust fit of batch time against padded tokens, scaled by the recent pace."""
 
     def __init__(self, prior: Coefficients | None = None, window: int = 128) -> None:
         # A prior keeps predictions sane before any batch ran: 5 ms + 50 µs/token is a slow CPU.
-        self.coef = prior or Coefficients(overhead_s=0.005, per_token_s=5e-5)
+        self.fit = prior or Coefficients(overhead_s=0.005, per_token_s=5e-5)
+        self.coef = self.fit  # the fit at the pace: what a forward is predicted to take now
+        self.pace = 1.0
+        self._recent: deque[tuple[float, float]] = deque(maxlen=PACE_SPAN)  # (padded tokens, seconds)
         self._window = window
         self._x: list[float] = []  # padded tokens of the last `window` batches (a ring once full)
         self._y: list[float] = []  # their seconds
         self._next = 0
         self._refit_every = max(1, window // 16)
         self.observations = 0
+        self.restarts = 0  # times the fit started again from the recent batches (a lasting change)
 
     def observe(self, padded_tokens: int, seconds: float) -> None:
         if seconds <= 0 or padded_tokens <= 0:
             return
+        if self.observations >= PACE_AFTER:
+            self._recent.append((float(padded_tokens), float(seconds)))
         if len(self._x) < self._window:
             self._x.append(float(padded_tokens))
             self._y.append(float(seconds))
@@ -56,18 +90,41 @@ class CostModel:
             self._y[self._next] = float(seconds)
         self._next = (self._next + 1) % self._window
         self.observations += 1
-        if self.observations <= 16 or self.observations % self._refit_every == 0:
+        if len(self._x) <= 16 or self.observations % self._refit_every == 0:
             self._refit()
+        if self._recent:
+            ratios = self._ratios()
+            if len(ratios) == PACE_SPAN and (ratios[0] > PACE_SHIFT or ratios[-1] < 1 / PACE_SHIFT):
+                # Every recent batch off the fit the same way, by more than noise or a passing stall:
+                # the window describes a machine that is gone. Start again from the recent batches (a
+                # fit of old and new points together takes a shape that fits neither).
+                self._x = [x for x, _ in self._recent]
+                self._y = [t for _, t in self._recent]
+                self._next = len(self._x) % self._window
+                self.restarts += 1
+                self._refit()
+                ratios = self._ratios()
+            lo, hi = PACE_BOUNDS
+            self.pace = min(max(ratios[len(ratios) // 2], lo), hi)
+        fit, pace = self.fit, self.pace
+        if self.coef.overhead_s != fit.overhead_s * pace or self.coef.per_token_s != fit.per_token_s * pace:
+            self.coef = Coefficients(fit.overhead_s * pace, fit.per_token_s * pace)
 
     def predict(self, padded_tokens: int) -> float:
         return self.coef.predict(padded_tokens)
+
+    def _ratios(self) -> list[float]:
+        """Measured ÷ fitted seconds of the recent batches, against the fit as it is now (a refit may
+        have moved it), ascending."""
+        fit = self.fit
+        return sorted(t / max(fit.predict(int(x)), 1e-12) for x, t in self._recent)
 
     def _refit(self) -> None:
         x, y = self._x, self._y
         if len(x) < 2:
             # One point: keep the prior's split between a and b, scaled to match it.
-            scale = y[0] / max(self.coef.predict(int(x[0])), 1e-12)
-            self.coef = Coefficients(self.coef.overhead_s * scale, self.coef.per_token_s * scale)
+            scale = y[0] / max(self.fit.predict(int(x[0])), 1e-12)
+            self.fit = Coefficients(self.fit.overhead_s * scale, self.fit.per_token_s * scale)
             return
         fit = least_squares(x, y)
         if fit is None:
@@ -81,7 +138,7 @@ class CostModel:
             if len(kept) >= 2:
                 a, b = least_squares([x[i] for i in kept], [y[i] for i in kept]) or (a, b)
         # Time never shrinks with more tokens and a forward never costs less than nothing.
-        self.coef = Coefficients(max(a, 0.0), max(b, 1e-9))
+        self.fit = Coefficients(max(a, 0.0), max(b, 1e-9))
 
 
 def least_squares(x: list[float], y: list[float]) -> tuple[float, float] | None:

@@ -97,15 +97,20 @@ def simulate(
     horizon: float | None = None,
     measure_from: float = 0.0,
     stall: float = 1.0,
+    slowdown: float = 1.0,
 ) -> Result:
     """Run ``arrivals`` through a scheduler of ``config`` against a model whose forward of ``padded``
     tokens takes ``a + b·padded`` s (±``noise``). ``stall``: each batch holds the model ``stall`` times as
     long as its forward, which is all the cost model is told (the rest is what the process and the
-    machine do between forwards: tokenising, answering, other programs on the cores)."""
+    machine do between forwards: tokenising, answering, other programs on the cores). ``slowdown``: every
+    forward takes that many times what the warm-up measured (other programs on the cores slow the forward
+    itself; the cost model is told, but was seeded fast)."""
     rng = random.Random(seed)
     sched = Scheduler(config, CostModel(), eager_cost)
-    # Seed the cost model as the server's warm-up does.
-    for n, length in ((1, 16), (8, 64)):
+    # Seed the cost model as the server's warm-up does; a server slowed down after running a while at
+    # full speed has a whole window of fast batches behind it.
+    seeds = [(1, 16), (8, 64)] if slowdown == 1.0 else [(1 + i % 64, 16 + i % 48) for i in range(128)]
+    for n, length in seeds:
         sched.cost.observe(n * length, a + b * n * length)
     res = Result()
     events: list[tuple[float, int, str, object]] = []
@@ -175,7 +180,7 @@ def simulate(
                 batch = decision.batch
                 res.late_dispatches += sum(1 for e in batch if e.deadline is not None and e.deadline <= now)
                 padded = decision.padded_tokens
-                seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise))
+                seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise)) * slowdown
                 res.batch_sizes.append(len(batch))
                 push(now + seconds * stall, "done", (batch, padded, seconds))
                 continue
