@@ -4,8 +4,7 @@ Middlewares (outermost first): ``traced`` (only with tracing on: ``service/traci
 request's span in the caller's trace; ``observe`` binds the request id, counts in-flight requests and records
 metrics and the per-request log line; ``errors`` turns every failure into the error shape of the dialect
 its route speaks (``routing``: OpenAI's, TEI's or Cohere's), rendered by ``dialects.render``, the one
-mapping in the service; ``authenticate`` checks API keys; ``shed`` refuses a queued route's request from
-its head alone while the queue stands; ``read_body`` (``guard``) reads the body
+mapping in the service; ``authenticate`` checks API keys; ``read_body`` (``guard``) reads the body
 within its deadline and size limit. Connection-level limits (head deadline, connection cap, 431) live
 in ``guard.GuardedSite``, which ``server.serve`` listens with. Models load in the background (see
 ``models.load_models``) so the listener answers ``/health`` at once.
@@ -14,8 +13,6 @@ in ``guard.GuardedSite``, which ``server.serve`` listens with. Models load in th
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import cast
@@ -25,7 +22,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import tracing
-from ..dialects import Dialect, render
 from ..engine.core import RunnerFactory, default_factory
 from ..errors import (
     CoalesceError,
@@ -47,6 +43,7 @@ from ..schemas import (
 )
 from ..settings import Settings
 from . import classify, docs, embed_v2, openapi, rerank, sparse, tei, tei_meta
+from .answers import error_response, request_id
 from .auth import KEYS, KeyRing, authenticate
 from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
@@ -62,22 +59,10 @@ from .state import LIFECYCLE, METRICS, SETTINGS, Handler, Lifecycle, Phase
 log = get_logger("coalesce.gateway")
 
 
-def error_response(err: CoalesceError, dialect: Dialect) -> web.Response:
-    """``err`` answered as ``dialect``'s clients expect it."""
-    rendered = render(err, dialect)
-    return json_response(rendered.body, status=rendered.status, headers=rendered.headers)
-
-
-# Request ids: a random per-process prefix and a counter: unique across replicas in practice, and
-# a fraction of uuid4's cost on a path every request takes.
-_RID_PREFIX = os.urandom(6).hex()
-_rid_counter = itertools.count(1)
-
-
 @web.middleware
 async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     metrics = request.app[METRICS]
-    rid = request.headers.get("X-Request-ID") or f"{_RID_PREFIX}{next(_rid_counter):010x}"
+    rid = request_id(request)
     structlog.contextvars.bind_contextvars(request_id=rid)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
@@ -193,7 +178,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     gateways in front of the engine process. ``runner_factory`` replaces model loading (tests)."""
     metrics = Metrics()
     # Tracing adds its middleware only when on: off, the request path has no trace of it.
-    middlewares = [observe, errors, authenticate, shed, read_body]
+    middlewares = [shed, observe, errors, authenticate, read_body]
     if tracing.active is not None:
         middlewares.insert(0, traced)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)

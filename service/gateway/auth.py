@@ -78,6 +78,13 @@ KEYS: web.AppKey[KeyRing | None] = web.AppKey("keys")
 TENANT: web.RequestKey[tuple[str, float]] = web.RequestKey("tenant")  # (tenant, weight) of the API key
 
 
+def bearer_key(request: web.Request, keys: KeyRing) -> _Key | None:
+    """The configured key the request presents as ``Authorization: Bearer <key>``, if any."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    presented = presented.strip()
+    return keys.find(presented) if scheme.lower() == "bearer" and presented else None
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
@@ -86,10 +93,9 @@ def _digest(key: str) -> bytes:
 async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With keys configured, model routes need a valid bearer key; the key's tenant is recorded."""
     keys = request.app[KEYS]
-    if keys is None or is_open(request.path):
+    if keys is None or is_open(request.path) or TENANT in request:  # (``shed`` may have looked already)
         return await handler(request)
-    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-    key = keys.find(presented.strip()) if scheme.lower() == "bearer" and presented.strip() else None
+    key = bearer_key(request, keys)
     if key is None:
         request.app[METRICS].rejected.labels("", "unauthorized").inc()
         raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer <key>'.")
