@@ -95,6 +95,9 @@ class TokenizerAdapter:
 
     def _setup(self, tok: Tokenizer, max_tokens: int, pad_id: int, vocab_size: int) -> None:
         self._tok = tok
+        # Ids only: encode_batch_fast skips the character offsets (tokenizers >= 0.21), the same ids
+        # for less work per text; spans() keeps encode_batch, which has them.
+        self._encode_ids = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self._tok.no_padding()
         self._tok.no_truncation()
         self.max_tokens = max_tokens
@@ -129,7 +132,7 @@ class TokenizerAdapter:
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Raw ids without special tokens, untruncated."""
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._encode_ids(list(texts), add_special_tokens=False)]
 
     def spans(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[TokenSpan]]:
         """Each text's tokens with their character offsets (TEI's ``/tokenize``). CPU work, any thread."""

@@ -3,42 +3,162 @@
 ``DeviceThread`` is that thread (shared by every model on the device, so models take turns rather than
 contend). ``ModelWorker`` adds, per model, a CPU thread that pads the next batch while the current one
 runs. Callers on the event loop await coroutines; the threads never touch asyncio state.
+
+Each of these threads is a :class:`Lane`: one thread that runs what it is handed, in order. Handing work
+to a thread is paid on the event loop for every batch (and, in the gateway, for every turn's
+tokenising), so a lane takes a call without the executor's future, work item, locks and idle semaphore:
+the caller says how the outcome comes back (``loop.call_soon_threadsafe``). It is still an
+``Executor`` (``submit``, ``run_in_executor``) for the calls that want a future.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+import traceback
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
-from typing import cast
+from queue import Empty, SimpleQueue
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from .protocol import OutputKind, Runner, TokenRunner
 
+T = TypeVar("T")
+# A lane's item: (what to run, its arguments, what to call instead when it is dropped unrun), or None:
+# stop once what came before has run.
+_Item = tuple[Callable[..., object], tuple[Any, ...], Callable[[], object] | None] | None
 
-def _hand(pool: ThreadPoolExecutor, reply: Callable[[BatchOutput | Exception], None],
-          fn: Callable[..., BatchOutput | None], *args: object) -> None:
-    """Run ``fn(*args)`` on ``pool``'s thread; ``reply`` gets what it returns (unless None: it handed
-    the batch on) or what it raised, including a pool that no longer takes work (shutdown)."""
+_live: weakref.WeakSet[Lane] = weakref.WeakSet()
+_exiting = False
 
-    def call() -> None:
+
+def _at_exit() -> None:
+    # As ThreadPoolExecutor's threads are at interpreter exit: what was handed over runs, then they end.
+    global _exiting
+    _exiting = True
+    lanes = list(_live)
+    for lane in lanes:
+        lane._queue.put(None)
+    for lane in lanes:
+        if lane._thread is not None:
+            lane._thread.join()
+
+
+threading._register_atexit(_at_exit)  # type: ignore[attr-defined]  # before joining, as the pool's
+
+
+def _lane_thread(queue: SimpleQueue[_Item]) -> None:
+    # (Holds the queue, not the lane: a lane nobody holds any more is collected, and its finaliser
+    # stops this thread.)
+    while True:
+        item = queue.get()
+        if item is None:
+            return
+        fn, args, _ = item
         try:
-            out = fn(*args)
-        except Exception as exc:
-            reply(exc)
-        else:
-            if out is not None:
-                reply(out)
+            fn(*args)
+        except BaseException:  # a call answers its own failures; nothing may end the lane
+            traceback.print_exc()
+        del item, fn, args
 
+
+class Lane(Executor):
+    """One thread that runs the calls handed to it, in the order they came (an executor of one worker).
+
+    :meth:`call` hands a call over without a future: the cheapest hand-off to a thread, for callers that
+    deliver the outcome themselves (a call must not raise: what it raises is printed and dropped).
+    ``submit`` returns a future, for ``run_in_executor``. After :meth:`shutdown` both raise RuntimeError,
+    as ThreadPoolExecutor's ``submit`` does. The thread starts with the first call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: SimpleQueue[_Item] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+        weakref.finalize(self, self._queue.put, None)
+
+    def call(self, fn: Callable[..., object], *args: Any,
+             dropped: Callable[[], object] | None = None) -> None:
+        """Run ``fn(*args)`` on the lane's thread after what was handed over before; ``dropped`` (when
+        given) is called instead, on the thread that shuts the lane down, if it never runs
+        (``shutdown(cancel_futures=True)``)."""
+        if self._closed or _exiting:
+            raise RuntimeError(f"lane {self.name} is shut down")
+        if self._thread is None:
+            self._start()
+        self._queue.put((fn, args, dropped))
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                thread = threading.Thread(target=_lane_thread, args=(self._queue,), name=self.name)
+                thread.start()
+                self._thread = thread
+                _live.add(self)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # the future carries it, as the pool's does
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        self.call(run, dropped=future.cancel)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Take no more calls; with ``cancel_futures``, drop those not started (their ``dropped`` is
+        called); the thread ends once the rest has run (``wait``: wait for that)."""
+        self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except Empty:
+                    break
+                if item is not None and item[2] is not None:
+                    try:
+                        item[2]()
+                    except Exception:  # one caller's cleanup must not stop the others'
+                        traceback.print_exc()
+        self._queue.put(None)
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _hand(lane: Lane, reply: Callable[[BatchOutput | Exception], None],
+          fn: Callable[..., BatchOutput | None], *args: object) -> None:
+    """Run ``fn(*args)`` on ``lane``'s thread; ``reply`` gets what it returns (unless None: it handed
+    the batch on) or what it raised, including a lane that no longer takes work (shutdown)."""
     try:
-        pool.submit(call)
+        lane.call(_answer, reply, fn, args)
     except RuntimeError as exc:
         reply(exc)
+
+
+def _answer(reply: Callable[[BatchOutput | Exception], None], fn: Callable[..., BatchOutput | None],
+            args: tuple[object, ...]) -> None:
+    try:
+        out = fn(*args)
+    except Exception as exc:
+        reply(exc)
+    else:
+        if out is not None:
+            reply(out)
 
 
 def _settle(fut: asyncio.Future[BatchOutput], outcome: BatchOutput | Exception) -> None:
@@ -57,11 +177,11 @@ class DeviceThread:
     the next batch waits for it); the engine passes the allocator's trimmer here."""
 
     def __init__(self, name: str = "device", after_batch: Callable[[], None] | None = None) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-{name}")
+        self._pool = Lane(f"coalesce-{name}")
         self.after_batch = after_batch
 
     @property
-    def executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> Lane:
         return self._pool
 
     def close(self) -> None:
@@ -86,7 +206,7 @@ class ModelWorker:
         self.runner = runner
         self._device = device
         self._overlap = overlap
-        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-prep-{runner.info.name}")
+        self._cpu = Lane(f"coalesce-prep-{runner.info.name}")
 
     async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind = OutputKind.POOLED) -> BatchOutput:
         """Run one batch of complete id sequences, all of one output ``kind``. Raises whatever the

@@ -15,6 +15,7 @@ from /proc, ``process_resident_memory_bytes{process="supervisor"|"engine"|"gatew
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -211,6 +212,8 @@ class Metrics:
             registry=r,
         )
         self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+        self._answered: list[tuple[str, int, float]] = []  # this event-loop turn's, not yet counted
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # the loop that will count them
         # Connections (gateway/guard.py): what hostile or broken clients cost, and what they were told.
         self.open_connections = Gauge(
             "coalesce_open_connections", "Client connections open now (those refused over the cap excluded).",
@@ -262,7 +265,51 @@ class Metrics:
         return ModelSeries(queue_wait=waits, **fields)  # type: ignore[arg-type]
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
-        """Count one answered request (``route`` is a canonical route, so the key set stays small)."""
+        """Count one answered request (``route`` is a canonical route, so the key set stays small).
+
+        On an event loop the turn's requests are counted together when the turn ends (a scrape, which
+        comes in a later turn, sees them all; ``render`` counts what is left first): one locked write per
+        series and bucket per turn instead of three or four per request."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: at once
+            loop = None
+        if loop is not self._flush_loop or loop is None:
+            if self._answered:  # left by a loop that ended before its turn did
+                self._flush_answered()
+            if loop is None:
+                self._count_answered([(route, status, seconds)])
+                return
+            self._flush_loop = loop
+            loop.call_soon(self._flush_answered)
+        self._answered.append((route, status, seconds))
+
+    def _flush_answered(self) -> None:
+        answered, self._answered = self._answered, []
+        self._flush_loop = None
+        if answered:
+            self._count_answered(answered)
+
+    def _count_answered(self, answered: list[tuple[str, int, float]]) -> None:
+        if len(answered) == 1:
+            route, status, seconds = answered[0]
+            series = self._series_of(route, status)
+            series[0].inc()
+            series[1].observe(seconds)
+            return
+        by_key: dict[tuple[str, int], list[float]] = {}
+        for route, status, seconds in answered:
+            got = by_key.get((route, status))
+            if got is None:
+                by_key[route, status] = [seconds]
+            else:
+                got.append(seconds)
+        for (route, status), times in by_key.items():
+            series = self._series_of(route, status)
+            series[0].inc(len(times))
+            observe_all(series[1], times)
+
+    def _series_of(self, route: str, status: int) -> tuple[Counter, Histogram]:
         key = (route, status)
         series = self._request_series.get(key)
         if series is None:
@@ -270,8 +317,7 @@ class Metrics:
                 self.requests.labels(route, str(status)),
                 self.request_seconds.labels(route),
             )
-        series[0].inc()
-        series[1].observe(seconds)
+        return series
 
     def record_capture(self, model: str, stats: object) -> None:
         """Copy a graph runner's ``CaptureStats`` (plain attributes) into the gauges."""
@@ -285,6 +331,8 @@ class Metrics:
         self.graph_batches.labels(model, "eager").set(get("eager_runs"))
 
     def render(self) -> bytes:
+        if self._answered:
+            self._flush_answered()
         path = self.multiprocess_dir
         if path is None:
             return generate_latest(self.registry)

@@ -16,9 +16,9 @@ its caller leaves or its deadline passes; the model behind it then drops the inp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +27,7 @@ from aiohttp import web
 from coalesce.kernels.calibration import int8_scale
 from coalesce.kernels.protocol import ModelInfo, OutputKind, Tokens
 from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
+from coalesce.kernels.worker import Lane
 
 from .. import tracing
 from ..batching.admit import AdmissionConfig, Refusal, judge_wait
@@ -64,9 +65,9 @@ class ServedModel:
         self._scales: dict[int, float] = {}
         self._prompt_lengths: dict[str, int] = {}
         self._metrics = metrics
-        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-tok-{info.name}")
+        self._cpu = Lane(f"coalesce-tok-{info.name}")
         # A request of many texts tokenises on a thread of its own, so a query never waits behind it.
-        self._bulk_cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"coalesce-bulk-{info.name}")
+        self._bulk_cpu = Lane(f"coalesce-bulk-{info.name}")
         self._pending: list[_Pending] = []
 
     # -- tokenising ----------------------------------------------------------------------------------
@@ -91,27 +92,44 @@ class ServedModel:
     def _flush_tokenize(self) -> None:
         group = [(texts, fut) for texts, fut in self._pending if not fut.done()]
         self._pending = []
-        if not group:
-            return
-        flat = [text for texts, _ in group for text in texts]
-        shared = asyncio.wrap_future(self._cpu.submit(self.tokens.tokenize, flat))
-        shared.add_done_callback(partial(self._fan_out, group))
+        if group:
+            self._hand_over(group, [text for texts, _ in group for text in texts])
 
-    def _fan_out(self, group: list[_Pending], done: asyncio.Future[list[list[int]]]) -> None:
-        if done.cancelled() or done.exception() is not None:
+    def _hand_over(self, group: list[_Pending], texts: list[str]) -> None:
+        """Tokenise ``texts`` (the group's, one after the other) on the tokenizer thread; the outcome
+        comes back to the loop once, for the whole group (no future per hand-off)."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._cpu.call(self._tokenize_on_thread, loop, group, texts,
+                           dropped=partial(loop.call_soon_threadsafe, _cancel_all, group))
+        except RuntimeError as exc:  # closed (shutdown)
+            self._fan_out(group, exc)
+
+    def _tokenize_on_thread(self, loop: asyncio.AbstractEventLoop, group: list[_Pending],
+                            texts: list[str]) -> None:
+        # The tokenizer thread.
+        outcome: list[list[int]] | Exception
+        try:
+            outcome = self.tokens.tokenize(texts)
+        except Exception as exc:
+            outcome = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
+            loop.call_soon_threadsafe(self._fan_out, group, outcome)
+
+    def _fan_out(self, group: list[_Pending], outcome: list[list[int]] | Exception) -> None:
+        if isinstance(outcome, Exception):
             if len(group) == 1:
-                _settle(group[0][1], done)
+                if not group[0][1].done():
+                    group[0][1].set_exception(outcome)
                 return
-            loop = asyncio.get_running_loop()
             for texts, fut in group:  # alone, so the failure reaches only its own request
-                alone = asyncio.wrap_future(self._cpu.submit(self.tokens.tokenize, texts), loop=loop)
-                alone.add_done_callback(partial(_settle, fut))
+                if not fut.done():
+                    self._hand_over([(texts, fut)], list(texts))
             return
-        ids = done.result()
         start = 0
         for texts, fut in group:
             if not fut.done():
-                fut.set_result(ids[start : start + len(texts)])
+                fut.set_result(outcome[start : start + len(texts)])
             start += len(texts)
 
     def adapter(self) -> TokenizerAdapter:
@@ -370,13 +388,7 @@ class LocalBackend:
         self._engine.record_capture()
 
 
-def _settle(fut: asyncio.Future[list[list[int]]], done: asyncio.Future[list[list[int]]]) -> None:
-    """Copy ``done``'s outcome into ``fut`` unless the caller has gone."""
-    if fut.done():
-        return
-    if done.cancelled():
+def _cancel_all(group: list[_Pending]) -> None:
+    """The group's tokenising was dropped unrun (shutdown): its callers' futures are cancelled."""
+    for _, fut in group:
         fut.cancel()
-    elif (exc := done.exception()) is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(done.result())

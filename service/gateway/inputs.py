@@ -47,7 +47,11 @@ def parse_inputs(
     raw: str | list[str | int | list[int]], max_inputs: int
 ) -> tuple[list[str], list[list[int]]]:
     """Split OpenAI's ``input`` into texts or token arrays (never both), rejecting what OpenAI rejects."""
-    items = [raw] if isinstance(raw, str) else raw
+    if isinstance(raw, str):  # (the common cases first: one text, a list of texts)
+        return checked_items([raw], "input", max_inputs), []
+    items = raw
+    if items and type(items[0]) is str and all(type(x) is str for x in items):
+        return checked_items(items, "input", max_inputs), []  # type: ignore[arg-type]
     if items and all(isinstance(x, int) for x in items):  # one token array
         return [], [list(items)]  # type: ignore[arg-type]
     if all(isinstance(x, str) for x in items):

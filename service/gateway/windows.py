@@ -14,6 +14,7 @@ that fits runs as it always did.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,13 @@ def long_input(request: web.Request, asked: str | None, truncate: bool | None = 
         mode = "truncate" if truncate else "error"
     else:
         mode = settings.default_long_input
-    return LongInput(mode, settings.chunk_overlap if overlap is None else overlap, settings.max_input_tokens)
+    overlap = settings.chunk_overlap if overlap is None else overlap
+    return _long_input(mode, overlap, settings.max_input_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _long_input(mode: str, overlap: int, most: int) -> LongInput:
+    return LongInput(mode, overlap, most)  # (immutable: one per distinct choice, not one per request)
 
 
 def window_starts(length: int, room: int, overlap: int) -> list[int]:
