@@ -51,12 +51,18 @@ def _serve(argv: list[str]) -> int:
     from .allocator import prepare
 
     memory = prepare(settings.allocator, argv)
-    from .gateway.server import run
     from .logs import configure, get_logger
 
     process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
     configure(settings.log_level, settings.log_format, process)
     get_logger("coalesce.allocator").info("allocator", **memory.fields())
+    # Logging is set (the loaders log), the rest of the server not yet imported: the models start loading
+    # on a thread of their own while it is (engine/preload.py).
+    from .engine import preload
+
+    preload.start(settings)
+    from .gateway.server import run
+
     return run(settings, argv)
 
 
