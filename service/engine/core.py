@@ -72,7 +72,10 @@ class Engine:
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
             worker = ModelWorker(runner, self.device, overlap=depth > 1)
-            if not preload.warmed(runner):
+            # A runner preloaded while the server imported itself comes warmed up (preload.py): its load_s
+            # and warmup_s below are then only what the engine waited for and ran after those imports.
+            preloaded = preload.warmed(runner)
+            if not preloaded:
                 await worker.warmup()
             cost = CostModel()
             await _seed_cost(worker, runner, cost)
@@ -104,6 +107,7 @@ class Engine:
                 cost_overhead_ms=round(cost.coef.overhead_s * 1e3, 3),
                 cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
                 calibration="none" if calibration is None else "stored" if stored is not None else "computed",
+                preloaded=preloaded,
             )
         self.record_capture()
 
