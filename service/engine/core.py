@@ -3,7 +3,9 @@
 In one process (``--workers 1``) the gateway calls the engine's batchers directly; under ``--workers
 N`` the engine runs in a process of its own (``engine/server.py``) and gateways reach it over ZeroMQ.
 Either way this is the one place models are loaded, warmed and calibrated, and the one owner of their
-queues. Loading runs on the device thread, so the event loop keeps answering while weights load.
+queues. Loading runs on the device thread, so the event loop keeps answering while weights load; a
+torch-free runner that ``coalesce serve`` started loading while it imported itself (``preload.py``) is
+taken from there, warmed up and with its cost-model seeds measured, instead.
 """
 
 from __future__ import annotations
@@ -72,13 +74,18 @@ class Engine:
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
             worker = ModelWorker(runner, self.device, overlap=depth > 1)
-            # A runner preloaded while the server imported itself comes warmed up (preload.py): its load_s
-            # and warmup_s below are then only what the engine waited for and ran after those imports.
-            preloaded = preload.warmed(runner)
-            if not preloaded:
-                await worker.warmup()
             cost = CostModel()
-            await _seed_cost(worker, runner, cost)
+            # A runner preloaded while the server imported itself comes warmed up, with the seed batches'
+            # timings (preload.py): load_s and warmup_s below are then only what the engine waited for
+            # and ran after those imports.
+            seeds = preload.seeded(runner)
+            preloaded = seeds is not None
+            if seeds is None:
+                await worker.warmup()
+                await _seed_cost(worker, runner, cost)
+            else:
+                for padded, seconds in seeds:
+                    cost.observe(padded, seconds)
             calibration = stored = runner.calibration if isinstance(runner, CalibratedRunner) else None
             if calibration is None and runner.info.task is Task.EMBED:
                 calibration = await _embed_corpus(worker, runner)

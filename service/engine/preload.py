@@ -11,19 +11,18 @@ engine), when each of them resolves to a torch-free backend (``--backend onnx``/
 ``auto`` over an export on the CPU) and no ``--runner-factory`` replaces the loaders. Torch runners
 (and so CUDA) are never built here: where any model needs torch, the engine loads them all as before.
 
-The thread runs each runner's ``warmup`` too, and the batches the engine then seeds its cost model with
-(:data:`SEED_BATCHES`), before handing the runner over: a runtime's first inference, and the first of
-each new input shape, cost far more than the next ones (OpenVINO's CPU plugin prepares its kernels per
-shape), so those first runs overlap the imports as well, and the engine's seeding measures what later
-batches of those shapes cost. Until it hands a runner over, the thread is its only holder, so it is the
-runner's model thread; after, it never touches it again, and the engine skips the warm-up it would run
-(:func:`warmed`). A load that fails here fails the engine's load, with the same exception, when the
-engine takes that model.
+The thread then does what the engine would do next, so that it overlaps the imports too: the runner's
+``warmup``, and the batches the engine seeds its cost model with (:data:`SEED_BATCHES`), timed as the
+engine's worker times a batch (forward and finish); the engine takes those timings (:func:`seeded`)
+instead of warming up and running the batches again. Until it hands a runner over, the thread is its only
+holder, so it is the runner's model thread; after, it never touches it again. A load that fails here
+fails the engine's load, with the same exception, when the engine takes that model.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -33,13 +32,14 @@ if TYPE_CHECKING:
 
     from ..settings import ModelSpec, Settings
 
-# The batches the engine seeds each model's cost model with (``core._seed_cost``): (rows, tokens between
-# the special ones). A larger one separates the per-token cost from the overhead; see there.
+# The batches each model's cost model is seeded with (``core._seed_cost``, or here for a preloaded runner):
+# (rows, tokens between the special ones). A larger one separates the per-token cost from the overhead.
 SEED_BATCHES = ((1, 16), (4, 64))
 
 _lock = threading.Lock()
 _current: Preload | None = None
-_warmed: list[Any] = []  # the runners warmed up here, until the engine asks (warmed)
+# The runners warmed up and seeded here, with their seed timings, until the engine asks (seeded).
+_seeded: list[tuple[Any, list[tuple[int, float]]]] = []
 
 
 class Preload:
@@ -76,11 +76,14 @@ class Preload:
             try:
                 runner = self._load(spec)
                 runner.warmup()
-                for batch in seed_batches(runner):  # shapes the engine runs next, first runs done here
+                seeds = []
+                for batch in seed_batches(runner):
                     prepared = runner.prepare(batch)
+                    t0 = time.perf_counter()
                     runner.finish(runner.forward(prepared), prepared)
+                    seeds.append((runner.padded_cost(len(batch), len(batch[0])), time.perf_counter() - t0))
                 with _lock:
-                    _warmed.append(runner)
+                    _seeded.append((runner, seeds))
             except BaseException as exc:  # handed to the engine, which raises it as its own load would
                 future.set_exception(exc)
             else:
@@ -170,11 +173,13 @@ def claim(settings: Settings) -> Preload | None:
     return preload
 
 
-def warmed(runner: Any) -> bool:
-    """Whether ``runner`` was warmed up here (once: the answer is forgotten as it is given)."""
+def seeded(runner: Any) -> list[tuple[int, float]] | None:
+    """For a runner warmed up and seeded here: the seed batches' (padded cost, seconds), for the engine's
+    cost model, once (forgotten as they are given); None for any other runner (the engine warms it up
+    and seeds its cost model itself)."""
     with _lock:
-        for i, done in enumerate(_warmed):
+        for i, (done, seeds) in enumerate(_seeded):
             if done is runner:
-                del _warmed[i]
-                return True
-    return False
+                del _seeded[i]
+                return seeds
+    return None

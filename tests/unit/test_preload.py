@@ -1,7 +1,8 @@
 """Loading the torch-free runners while the server imports itself (``engine/preload.py``): the runner is
-built, warmed up and run on the shapes the engine seeds with on a thread of its own, handed to the engine
-once, and never built there where any model needs torch; a failed load fails the engine's load. Fake
-runners; no model, no runtime."""
+built, warmed up and timed on the batches the engine seeds its cost model with, on a thread of its own,
+handed to the engine once with those timings (which the engine then neither warms up nor runs again),
+and never built there where any model needs torch; a failed load fails the engine's load. Fake runners;
+no model, no runtime."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import ModelInfo, Task
 from coalesce.service import settings
 from coalesce.service.engine import preload
@@ -62,7 +64,7 @@ def nothing_left_over() -> Iterator[None]:
     yield
     leftover = preload._current  # a test that started a preload and did not claim it
     preload._current = None
-    preload._warmed.clear()
+    preload._seeded.clear()
     if leftover is not None:
         leftover._thread.join(10)
 
@@ -85,8 +87,11 @@ def test_a_runner_is_built_warmed_and_run_on_the_seed_shapes_on_the_preload_thre
     assert runner.batches == [rows for rows, _ in preload.SEED_BATCHES]
     assert set(runner.forward_threads) == {"coalesce-preload"}
     assert early.take(spec) is None  # handed over once; a second ask loads as usual
-    assert preload.warmed(runner) and not preload.warmed(runner)  # told once
-    assert not preload.warmed(RecordingRunner())
+    seeds = preload.seeded(runner)
+    assert seeds is not None and preload.seeded(runner) is None  # told once
+    assert [padded for padded, _ in seeds] == [len(b) * len(b[0]) for b in preload.seed_batches(runner)]
+    assert all(seconds >= 0 for _, seconds in seeds)
+    assert preload.seeded(RecordingRunner()) is None
 
 
 def test_the_seed_batches_are_the_engines_seed_shapes() -> None:
@@ -121,7 +126,7 @@ def test_only_a_process_that_loads_models_with_the_loaders_preloads(argv: list[s
     assert preload._current is None
 
 
-def test_the_engine_takes_the_preloaded_runner_once_and_does_not_warm_it_again(
+def test_the_engine_takes_the_preloaded_runner_once_and_neither_warms_nor_seeds_it_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     load = Loader()
@@ -149,6 +154,9 @@ def test_the_engine_takes_the_preloaded_runner_once_and_does_not_warm_it_again(
     assert load.loaded == list(s.model_specs)  # built once, by the preload
     assert runner.warmups == ["coalesce-preload"]  # not again on the device thread
     seeds = [rows for rows, _ in preload.SEED_BATCHES]
-    assert runner.batches[: 2 * len(seeds)] == seeds + seeds  # the preload's first runs, then the seeding
+    corpus = [len(batch) for batch in corpus_batches(runner.tokens)]  # a fake stores no calibration rows
+    assert runner.batches == seeds + corpus  # the seed batches ran once, on the preload thread
+    assert set(runner.forward_threads[: len(seeds)]) == {"coalesce-preload"}
+    assert "coalesce-preload" not in runner.forward_threads[len(seeds):]
     assert factory(s.model_specs[0]) is not runner  # a later load builds anew
     assert load.loaded == [*s.model_specs, *s.model_specs]
