@@ -13,7 +13,9 @@ before any thread starts:
 2. on glibc, with jemalloc installed (Debian and Ubuntu's ``libjemalloc2``): the process re-executes
    itself once, same interpreter, arguments and environment, plus jemalloc in ``LD_PRELOAD`` and
    :data:`JEMALLOC_CONF` in ``MALLOC_CONF`` (unless one is set). Its pid stays; ``--workers`` children
-   inherit the environment, so every process of the replica runs on it;
+   inherit the environment, so every process of the replica runs on it. Where the command line makes
+   this plain, ``coalesce serve`` takes this step before it imports its settings (``reexec.early``);
+   :func:`prepare` takes it otherwise;
 3. on glibc without jemalloc: at most :data:`ARENA_MAX` arenas (``mallopt``, before any thread exists),
    and the engine returns freed memory to the system after batches (``malloc_trim``: see
    :class:`Trimmer`).
@@ -22,35 +24,45 @@ before any thread starts:
 skips the re-exec and tunes glibc; ``system`` leaves malloc as the process started. Every process logs
 what it runs on once, at start-up (the ``allocator`` line).
 
-This module reads and writes ``os.environ``, the one exception to "only Settings reads the environment":
-``LD_PRELOAD`` and ``MALLOC_CONF`` are read by the dynamic loader and by jemalloc as a process image
-starts, before any Python runs, so they take effect only through the environment of an ``exec``; and
-the marker that keeps the re-exec to one must survive that ``exec``, which only the environment does.
+This module and ``reexec.py`` read and write ``os.environ``, the exceptions to "only Settings reads the
+environment": ``LD_PRELOAD`` and ``MALLOC_CONF`` are read by the dynamic loader and by jemalloc as a
+process image starts, before any Python runs, so they take effect only through the environment of an
+``exec``; the marker that keeps the re-exec to one must survive that ``exec``, which only the
+environment does; and ``reexec.early`` reads ``COALESCE_ALLOCATOR`` before the Settings exist, as they
+read it (a unit test holds the two to one name and default).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Set in the re-executed process's environment (to the library preloaded), so it never re-executes again;
-# inherited by the --workers children. Not a COALESCE_* knob: nobody sets it by hand.
-REEXEC_MARKER = "_COALESCE_ALLOCATOR_REEXEC"
-JEMALLOC_SONAME = "libjemalloc.so.2"
+# The re-exec itself, and what it needs to know, live in a module light enough to run before the settings
+# are imported (reexec.early); re-exported here, where the rest of the server has always found them.
+from .reexec import (
+    JEMALLOC_CONF,
+    JEMALLOC_SONAME,
+    REEXEC_MARKER,
+    find_jemalloc,
+    library_dirs,
+    mapped,
+    reexec_command,
+)
+from .reexec import reexec as _reexec
+
+__all__ = [
+    "ARENA_MAX", "JEMALLOC_CONF", "JEMALLOC_PACKAGE", "JEMALLOC_SONAME", "REEXEC_MARKER", "TRIM_EVERY_S",
+    "Allocator", "Trimmer", "find_jemalloc", "libc_is_glibc", "library_dirs", "mapped", "prepare",
+    "reexec_command",
+]
+
 JEMALLOC_PACKAGE = "libjemalloc2"
-# jemalloc's options for a server, the images' MALLOC_CONF too: purge unused pages on a background thread
-# (an idle server still gives memory back), after a second unused (a burst's excess goes within seconds,
-# while batch after batch reuses the same pages), straight to the system (muzzy pages, MADV_FREE, would
-# still count as resident until the kernel wants them), over at most 4 arenas (bounded per-arena slack;
-# the default is 4 per core).
-JEMALLOC_CONF = "background_thread:true,narenas:4,dirty_decay_ms:1000,muzzy_decay_ms:0"
 ARENA_MAX = 2  # glibc's arenas when jemalloc is missing (its default is 8 per core)
 TRIM_EVERY_S = 10.0  # glibc: malloc_trim at most this often while batches run, and once after the last
 _M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
@@ -83,19 +95,6 @@ class Allocator:
         return out
 
 
-def mapped(maps: str) -> tuple[str, str] | None:
-    """``(name, path)`` of a jemalloc or tcmalloc mapped into a process, from its ``/proc/PID/maps``."""
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6:
-            continue
-        base = os.path.basename(parts[5])
-        for name in ("jemalloc", "tcmalloc"):
-            if base.startswith("lib" + name):
-                return name, parts[5]
-    return None
-
-
 def _self_maps() -> str:
     try:
         return Path("/proc/self/maps").read_text()
@@ -113,47 +112,6 @@ def libc_is_glibc() -> bool:
         return hasattr(_libc(), "gnu_get_libc_version")
     except OSError:
         return False
-
-
-def library_dirs() -> list[str]:
-    """Where distributions put shared libraries: Debian's multiarch directories, then the usual others."""
-    triplet = f"{os.uname().machine}-linux-gnu"
-    return [f"/usr/lib/{triplet}", f"/lib/{triplet}", "/usr/lib64", "/usr/lib", "/usr/local/lib"]
-
-
-def find_jemalloc(dirs: Iterable[str] | None = None) -> str | None:
-    """The path of ``libjemalloc.so.2`` in ``dirs`` (default :func:`library_dirs`), or None. Looked up
-    by file, not through ``ctypes.util.find_library``, which runs ldconfig and a compiler."""
-    for d in library_dirs() if dirs is None else dirs:
-        path = os.path.join(d, JEMALLOC_SONAME)
-        if os.path.isfile(path):
-            return path
-    return None
-
-
-def reexec_command(argv: Sequence[str]) -> list[str]:
-    """The command that starts this ``coalesce serve ARGV`` again: the interpreter's own command line when
-    it is the one that ran (``coalesce serve``, ``python -m coalesce.service.cli serve``), else the module
-    form with ``argv`` (``main()`` called with arguments of its own)."""
-    if sys.argv[1:] == ["serve", *argv] and len(sys.orig_argv) > 1:
-        return [sys.executable, *sys.orig_argv[1:]]
-    return [sys.executable, "-m", "coalesce.service.cli", "serve", *argv]
-
-
-def _reexec(library: str, argv: Sequence[str]) -> OSError:
-    """Replace this process with itself on ``library``; returns only if ``exec`` failed."""
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
-    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
-    env[REEXEC_MARKER] = library
-    command = reexec_command(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(command[0], command, env)
-    except OSError as exc:
-        return exc
-    raise AssertionError("unreachable: execve returned")  # pragma: no cover
 
 
 def _bound_arenas() -> None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
-
-from . import settings as settings_mod
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +37,15 @@ def _serve(argv: list[str]) -> int:
     # the forward and the event loop need (it cost closed-loop throughput on a 2-core machine). Set
     # TOKENIZERS_PARALLELISM to opt back in.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Where the command line says plainly that this process will re-execute itself on jemalloc, now,
+    # before the settings are imported and parsed only to be thrown away with this process (reexec.py).
+    from .reexec import early
+
+    early(argv)
+    import argparse
+
+    from . import settings as settings_mod
+
     parser = argparse.ArgumentParser(
         prog="coalesce serve",
         description="Serve embedding models over HTTP (OpenAI-compatible), coalescing requests into "
@@ -47,16 +53,23 @@ def _serve(argv: list[str]) -> int:
     )
     settings_mod.add_arguments(parser)
     settings = settings_mod.from_args(parser.parse_args(argv))
-    # Before torch is imported and before any thread starts: may re-execute this process on jemalloc.
+    # Before torch is imported and before any thread starts: may re-execute this process on jemalloc
+    # (where early did not), or tunes glibc; says what runs.
     from .allocator import prepare
 
     memory = prepare(settings.allocator, argv)
-    from .gateway.server import run
     from .logs import configure, get_logger
 
     process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
     configure(settings.log_level, settings.log_format, process)
     get_logger("coalesce.allocator").info("allocator", **memory.fields())
+    # Logging is set (the loaders log), the rest of the server not yet imported: the models start loading
+    # on a thread of their own while it is (engine/preload.py).
+    from .engine import preload
+
+    preload.start(settings)
+    from .gateway.server import run
+
     return run(settings, argv)
 
 

@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import structlog
+
+
+@contextlib.contextmanager
+def _unimportable(name: str) -> Iterator[None]:
+    """While inside, ``import name`` fails as if it were not installed (a ``None`` in ``sys.modules``,
+    unless it is imported already); afterwards anything may import it again."""
+    blocked = name not in sys.modules
+    if blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if blocked and name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
+
+
+# structlog imports rich eagerly wherever it is installed (a development dependency here, not the
+# server's), for pretty tracebacks this configuration never uses (format_exc_info below renders every
+# exception as plain text first): that was the larger part of structlog's import, paid at every start.
+# Without it, structlog does as it does where rich is absent; the rest of the process can still import it.
+with _unimportable("rich"):
+    import structlog
 
 _json = msgspec.json.Encoder()
 
@@ -28,7 +51,8 @@ def configure(level: str = "info", fmt: str = "json", process: str | None = None
     renderer: Any = (
         structlog.processors.JSONRenderer(serializer=_serialize)
         if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
+        # Plain tracebacks whatever is installed (its default is rich's where rich is importable).
+        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,

@@ -3,7 +3,9 @@
 In one process (``--workers 1``) the gateway calls the engine's batchers directly; under ``--workers
 N`` the engine runs in a process of its own (``engine/server.py``) and gateways reach it over ZeroMQ.
 Either way this is the one place models are loaded, warmed and calibrated, and the one owner of their
-queues. Loading runs on the device thread, so the event loop keeps answering while weights load.
+queues. Loading runs on the device thread, so the event loop keeps answering while weights load; a
+torch-free runner that ``coalesce serve`` started loading while it imported itself (``preload.py``) is
+taken from there, warmed up and with its cost-model seeds measured, instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..batching.scheduler import Scheduler, SchedulerConfig
 from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import ModelSpec, Settings
+from . import preload
 
 log = get_logger("coalesce.engine")
 
@@ -71,9 +74,18 @@ class Engine:
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
             worker = ModelWorker(runner, self.device, overlap=depth > 1)
-            await worker.warmup()
             cost = CostModel()
-            await _seed_cost(worker, runner, cost)
+            # A runner preloaded while the server imported itself comes warmed up, with the seed batches'
+            # timings (preload.py): load_s and warmup_s below are then only what the engine waited for
+            # and ran after those imports.
+            seeds = preload.seeded(runner)
+            preloaded = seeds is not None
+            if seeds is None:
+                await worker.warmup()
+                await _seed_cost(worker, runner, cost)
+            else:
+                for padded, seconds in seeds:
+                    cost.observe(padded, seconds)
             calibration = stored = runner.calibration if isinstance(runner, CalibratedRunner) else None
             if calibration is None and runner.info.task is Task.EMBED:
                 calibration = await _embed_corpus(worker, runner)
@@ -102,6 +114,7 @@ class Engine:
                 cost_overhead_ms=round(cost.coef.overhead_s * 1e3, 3),
                 cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
                 calibration="none" if calibration is None else "stored" if stored is not None else "computed",
+                preloaded=preloaded,
             )
         self.record_capture()
 
@@ -131,29 +144,24 @@ class Engine:
 
 
 def default_factory(settings: Settings) -> RunnerFactory:
-    """Runners as ``coalesce serve`` loads them: ``--runner-factory`` when given, else the loaders."""
+    """Runners as ``coalesce serve`` loads them: ``--runner-factory`` when given, else the loaders,
+    taking first the runners ``coalesce serve`` started loading for these settings (``preload.py``)."""
     if settings.runner_factory:
         import importlib
 
         module, _, name = settings.runner_factory.partition(":")
         factory: RunnerFactory = getattr(importlib.import_module(module), name)
         return factory
-    from coalesce.kernels.buckets import GraphOptions
-    from coalesce.kernels.loader import RunnerOptions, load_runner
+    load = preload.model_loader(settings)
+    early = preload.claim(settings)
+    if early is None:
+        return load
 
-    graphs = GraphOptions(
-        enabled=settings.cuda_graphs,
-        batch_sizes=settings.graph_batch_sizes,
-        seq_lens=settings.graph_seq_lens,
-        budget_s=settings.graph_capture_budget_s,
-        budget_bytes=settings.graph_memory_budget_mb << 20,
-    )
-    options = RunnerOptions(
-        device=settings.device, dtype=settings.dtype, graphs=graphs, backend=settings.backend,
-        openvino_cache_dir=settings.openvino_cache_dir,
-    )
-    return lambda spec: load_runner(spec.path, spec.name, options, task=spec.task,
-                                    rerank_template=spec.rerank_template)
+    def take_or_load(spec: ModelSpec) -> Runner:
+        runner = early.take(spec)
+        return load(spec) if runner is None else runner
+
+    return take_or_load
 
 
 def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
@@ -184,15 +192,13 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
 
 
 async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
-    """Seed the cost model with a small and a larger batch, so first decisions rest on measurements.
-    The larger is 4 × 64 (15× the padded tokens of the small one, enough to separate overhead from
-    per-token cost): 8 × 64 made every CPU cold start tens of milliseconds longer, and real batches
-    refit the model anyway."""
-    filler = [min(1000, runner.info.vocab_size - 1)]
-    for n, length in ((1, 16), (4, 64)):
-        seq = runner.tokens.with_special_tokens(filler * length)
-        out = await worker.run([seq] * n)
-        cost.observe(runner.padded_cost(n, len(seq)), out.forward_s)
+    """Seed the cost model with a small and a larger batch (``preload.SEED_BATCHES``), so first
+    decisions rest on measurements. The larger is 4 × 64 (15× the padded tokens of the small one, enough
+    to separate overhead from per-token cost): 8 × 64 made every CPU cold start tens of milliseconds
+    longer, and real batches refit the model anyway."""
+    for batch in preload.seed_batches(runner):
+        out = await worker.run(batch)
+        cost.observe(runner.padded_cost(len(batch), len(batch[0])), out.forward_s)
 
 
 async def _embed_corpus(worker: ModelWorker, runner: Runner) -> np.ndarray:

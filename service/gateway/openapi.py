@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from http import HTTPStatus
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import msgspec
@@ -67,6 +66,9 @@ _PARAMETERS: dict[str, tuple[str, str, Json]] = {
 
 
 def _version() -> str:
+    # Imported here: the document is built at its first request, and a start need not import this.
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("coalesce")
     except PackageNotFoundError:

@@ -8,8 +8,6 @@ model's own tokenizer, on the gateway's tokenizer thread for that model (the one
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from aiohttp import web
 from coalesce.kernels.protocol import Task
 
@@ -38,6 +36,9 @@ _ALL_TASKS = tuple(Task)
 
 
 def _version() -> str:
+    # Imported here, at the first /info: a start need not import it.
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("coalesce")
     except PackageNotFoundError:

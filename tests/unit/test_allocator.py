@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from coalesce.kernels.worker import DeviceThread, ModelWorker
-from coalesce.service import allocator
+from coalesce.service import allocator, reexec, settings
 from coalesce.service.allocator import REEXEC_MARKER, Allocator, Trimmer, mapped, prepare
 from coalesce.service.metrics import Metrics, write_processes
 from coalesce.service.settings import build
@@ -74,6 +74,9 @@ def process(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(allocator, "find_jemalloc", lambda dirs=None: Process.jemalloc)
     monkeypatch.setattr(allocator, "_libc", lambda: Process.libc)
     monkeypatch.setattr(allocator.os, "execve", execve)
+    monkeypatch.setattr(reexec, "self_maps", lambda: Process.maps)
+    monkeypatch.setattr(reexec, "glibc", lambda: Process.glibc)
+    monkeypatch.setattr(reexec, "find_jemalloc", lambda dirs=None: Process.jemalloc)
     for name in ("LD_PRELOAD", "MALLOC_CONF", REEXEC_MARKER):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["/venv/bin/coalesce", "serve", "--port", "9000"])
@@ -197,6 +200,75 @@ def test_another_libc_is_left_as_it_is(process: Any) -> None:
     process.glibc, process.jemalloc = False, None
     assert prepare("auto", []).how == "untouched"
     assert process.libc.calls == []
+
+
+# -- the early re-exec, before the settings are imported ---------------------------------------------
+def test_the_early_step_reads_the_allocator_knob_as_the_settings_declare_it() -> None:
+    assert settings.env_name("allocator") == reexec.ALLOCATOR_ENV
+    assert build([], environ={}).allocator == reexec.ALLOCATOR_DEFAULT
+    assert build([reexec.ALLOCATOR_FLAG, "glibc"], environ={}).allocator == "glibc"
+    assert set(reexec.REEXEC_MODES) < set(settings.ALLOCATORS)
+
+
+@pytest.mark.parametrize(("argv", "environ", "mode"), [
+    ([], {}, "auto"),
+    (["--port", "9000"], {"COALESCE_ALLOCATOR": "glibc"}, "glibc"),
+    (["--allocator", "system"], {"COALESCE_ALLOCATOR": "jemalloc"}, "system"),
+    (["--allocator=glibc", "--allocator", "jemalloc"], {}, "jemalloc"),  # the last one, as argparse
+    (["--alloc", "glibc"], {}, None),  # an abbreviation: argparse's business
+    (["--allocator=auto", "--a=glibc"], {}, None),
+    (["--allocator"], {}, None),
+])
+def test_the_early_step_knows_the_mode_only_where_it_is_plain(
+    argv: list[str], environ: dict[str, str], mode: str | None,
+) -> None:
+    assert reexec.asked_mode(argv, environ) == mode
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--port", "9000"], ["--allocator", "jemalloc"], ["--allocator=auto", "--workers", "2"],
+    ["--allocator", "glibc"], ["--allocator", "system"], ["--alloc", "glibc"], ["--al=system"],
+])
+@pytest.mark.parametrize("variable", [None, "glibc", "system", "jemalloc"])
+def test_the_early_step_reexecutes_only_where_prepare_would_and_as_it_would(
+    process: Any, monkeypatch: pytest.MonkeyPatch, argv: list[str], variable: str | None,
+) -> None:
+    environ = {} if variable is None else {"COALESCE_ALLOCATOR": variable}
+    if variable is not None:
+        monkeypatch.setenv("COALESCE_ALLOCATOR", variable)
+    sys.argv[:] = ["/venv/bin/coalesce", "serve", *argv]
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", *sys.argv])
+    try:
+        reexec.early(argv)
+    except Exec as early:
+        mode = build(argv, environ=environ).allocator
+        assert mode in ("auto", "jemalloc")
+        with pytest.raises(Exec) as later:
+            prepare(mode, argv)
+        assert (early.path, early.argv, early.env) == (later.value.path, later.value.argv, later.value.env)
+    else:
+        abbreviated = any(a.startswith("--al") and not a.startswith("--allocator") for a in argv)
+        assert abbreviated or build(argv, environ=environ).allocator not in ("auto", "jemalloc")
+
+
+def test_the_early_step_leaves_to_prepare_whatever_is_not_a_plain_reexec(
+    process: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    process.maps = JEMALLOC_MAPS  # preloaded already
+    reexec.early([])
+    process.maps, process.glibc = GLIBC_MAPS, False  # another libc
+    reexec.early([])
+    process.glibc, process.jemalloc = True, None  # not installed: prepare names the package
+    reexec.early(["--allocator", "jemalloc"])
+    process.jemalloc, process.exec_error = JEMALLOC, PermissionError(13, "Permission denied")
+    reexec.early([])  # a failed exec: prepare tries again and says why
+    process.exec_error = None
+    monkeypatch.setenv(REEXEC_MARKER, JEMALLOC)  # the re-executed process itself
+    reexec.early([])
+
+
+def test_glibc_is_told_without_ctypes() -> None:
+    assert reexec.glibc() == allocator.libc_is_glibc()
 
 
 # -- trimming after batches --------------------------------------------------------------------------
