@@ -143,11 +143,13 @@ class Metrics:
         )
         # The cost model the batcher sizes batches with: seconds = overhead + per_token × padded tokens.
         self.cost_overhead = Gauge(
-            "coalesce_cost_overhead_seconds", "Fitted fixed cost of one forward.", ["model"],
+            "coalesce_cost_overhead_seconds",
+            "Fixed cost of one forward: the fit, at the pace forwards run now.", ["model"],
             multiprocess_mode="livemax", registry=r
         )
         self.cost_per_token = Gauge(
-            "coalesce_cost_per_token_seconds", "Fitted cost of one padded token.", ["model"],
+            "coalesce_cost_per_token_seconds",
+            "Cost of one padded token: the fit, at the pace forwards run now.", ["model"],
             multiprocess_mode="livemax", registry=r
         )
         # Batches.
