@@ -13,6 +13,15 @@ A request is refused at once — before it queues, and where the caller can, bef
   is refused for the price of a check;
 * it cannot finish by its deadline (``deadline_unmeetable``).
 
+**Checked but not yet queued.** Between the check before tokenising and admission (the tokeniser's
+turn), a request is in neither the queue nor the past: without counting it, every request that
+arrives meanwhile is judged against the same short queue, and under a sustained overload most of
+them pass the early check only to be refused — or admitted and dropped late — after being decoded
+and tokenised. So a request that passes :meth:`Admitter.precheck` is *held*: counted ahead of later
+checks of its class and the more urgent ones' (never of a more urgent request's, so a held ``low``
+flood does not refuse a ``high`` query) until :meth:`Admitter.admit` takes its tokens back, or for
+:data:`HOLD_S` at most (a request that fails before admission is not waited for).
+
 The predicted wait is fair-queue aware (:meth:`.fair.FairQueue.tokens_ahead`): a flood of one tenant
 or of ``low`` requests does not count against a ``high`` query or another tenant's, so a refused flood
 does not refuse them. Refusals carry a Retry-After from :class:`.overload.RetryPacer`, so callers that
@@ -24,6 +33,7 @@ Pure: no clock, no asyncio; the scheduler owns it and passes its ``now``.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +42,11 @@ from .cost import CostModel
 from .fair import DEFAULT_TENANT, PRIORITIES, Entry, FairQueue
 from .overload import Regime, RetryPacer
 from .policy import PaddedCost
+
+# How long a request that passed the check before tokenising counts as held (see the module's
+# docstring): longer than a tokenising turn takes under load; what a failed request leaves behind
+# counts no longer than this.
+HOLD_S = 0.5
 
 Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
 
@@ -57,6 +72,9 @@ class Admitter:
         self._padded_cost = padded_cost
         self._busy_s = busy_s
         self._padding = 1.0  # padded ÷ real tokens of recent batches
+        # Requests that passed precheck and are not admitted yet: (when, tokens, priority), oldest first.
+        self._held: deque[list[float]] = deque()
+        self._held_tokens = [0.0] * len(PRIORITIES)  # held tokens by priority class
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer()
@@ -116,12 +134,13 @@ class Admitter:
             )
         self.regime.asked(total, now)
         self.regime.capacity = self.capacity()
+        self._release(total, priority)  # its own hold, if it had one: it is in the queue from now
         refusal = self.check_room(tenant, total, now)
         ahead = None
         if refusal is None and self.on:
             ahead = self._queue.tokens_ahead(tenant, weight, priority, lengths[0])
             refusal = self._check_wait(lengths[0], total, len(lengths), tenant, weight, priority, now,
-                                       arrived, ahead)
+                                       arrived, ahead + self._held_ahead(priority, now))
         if refusal is not None or deadline is None:
             return refusal
         if ahead is None or len(lengths) > 1:  # (one input: what is ahead of its first is ahead of all)
@@ -138,27 +157,55 @@ class Admitter:
 
     def precheck(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
-        arrived: float, now: float,
+        arrived: float, now: float, *, hold: bool = True,
     ) -> Refusal | None:
         """Before tokenising: refuse a request of about ``total`` tokens in ``inputs`` inputs (its
         first about ``first``) that the queue bounds or the regime would refuse. The counts are
-        estimates, so callers err low; :meth:`admit` decides again on the real ones."""
+        estimates, so callers err low; :meth:`admit` decides again on the real ones. One that passes
+        is held (see the module's docstring) unless ``hold`` is False (a check made again later)."""
         refusal = self.check_room(tenant, 1, now)
         if refusal is None and self.on:
             refusal = self._check_wait(first, total, inputs, tenant, weight, priority, now, arrived)
         if refusal is not None:
             self.regime.asked(total, now)  # it never reaches admit(), which counts the others
+        elif hold and self.on:
+            self._held.append([now, float(total), float(priority)])
+            self._held_tokens[priority] += total
         return refusal
+
+    def _held_ahead(self, priority: int, now: float) -> int:
+        """Held tokens that a request of ``priority`` counts ahead of it: its class's and the more
+        urgent ones' (a lower number), after dropping holds older than :data:`HOLD_S`."""
+        held, limit, by_class = self._held, now - HOLD_S, self._held_tokens
+        while held and (held[0][0] < limit or held[0][1] <= 0):
+            _, tokens, cls = held.popleft()
+            by_class[int(cls)] -= tokens
+        return int(sum(by_class[: priority + 1])) if held else 0
+
+    def _release(self, tokens: int, priority: int) -> None:
+        """A request of ``priority`` and ``tokens`` tokens is being admitted: its hold (the oldest of
+        its class, as near as estimates allow) ends."""
+        left = float(tokens)
+        for h in self._held:
+            if h[2] == priority and h[1] > 0:
+                take = min(h[1], left)
+                h[1] -= take
+                self._held_tokens[priority] -= take
+                left -= take
+                if left <= 0:
+                    break
 
     def _check_wait(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
         now: float, arrived: float | None, ahead: int | None = None,
     ) -> Refusal | None:
         """Refuse a request whose first input would start later than the regime admits, counting what
-        it waited before admission. ``ahead``: ``tokens_ahead`` of its first input, when known."""
+        it waited before admission. ``ahead``: ``tokens_ahead`` of its first input and the held
+        tokens before it, when known."""
         cfg = self.config
         if ahead is None:
             ahead = self._queue.tokens_ahead(tenant, weight, priority, first)
+            ahead += self._held_ahead(priority, now)
         if ahead == 0:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
@@ -250,7 +297,8 @@ class Admitter:
         """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) have
         run, after the batches already running."""
         queue = self._queue
-        inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else 0
+        # (Held tokens ahead of an empty queue: inputs of 16 tokens, as capacity() assumes.)
+        inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else ahead_tokens / 16
         return self._busy_s(now) + self._run_s(inputs, ahead_tokens)
 
     def drain_s(self, now: float) -> float:

@@ -246,15 +246,16 @@ class Batcher:
     # -- admission -----------------------------------------------------------------------------------
     def check_room(
         self, tenant: str = DEFAULT_TENANT, *, weight: float = 1.0, priority: int = 1,
-        arrived: float | None = None, first: int = 1, total: int = 1, inputs: int = 1,
+        arrived: float | None = None, first: int = 1, total: int = 1, inputs: int = 1, hold: bool = True,
     ) -> None:
         """Refuse at once, before any tokenising, a request of about ``total`` tokens in ``inputs``
         inputs (the first of about ``first``) that the queue bounds or the queue's regime would refuse,
-        or any while the server is draining: a flood costs no CPU beyond this check. Estimates: err low."""
+        or any while the server is draining: a flood costs no CPU beyond this check. Estimates: err low.
+        ``hold``: one that passes counts ahead of later ones until admitted (``Admitter.precheck``)."""
         self._refuse_if_closing()
         now = time.monotonic()
         refusal = self.scheduler.precheck(first, total, inputs, tenant, weight, priority,
-                                          now if arrived is None else arrived, now)
+                                          now if arrived is None else arrived, now, hold=hold)
         if refusal is not None:
             self._metrics.rejected.labels(self.model, refusal.reason).inc()
             raise refusal_error(refusal, self.model)

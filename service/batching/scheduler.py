@@ -185,10 +185,11 @@ class Scheduler:
 
     def precheck(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
-        arrived: float, now: float,
+        arrived: float, now: float, *, hold: bool = True,
     ) -> Refusal | None:
         """Before tokenising, on estimated counts (:meth:`Admitter.precheck`)."""
-        return self.admission.precheck(first, total, inputs, tenant, weight, priority, arrived, now)
+        return self.admission.precheck(first, total, inputs, tenant, weight, priority, arrived, now,
+                                       hold=hold)
 
     def drain_s(self, now: float) -> float:
         """Predicted seconds until everything already admitted has run."""

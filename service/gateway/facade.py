@@ -176,10 +176,13 @@ class ServedModel:
         return known
 
     # -- running -------------------------------------------------------------------------------------
-    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
+    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
+                   hold: bool = True) -> None:
         """Raise (429, 503) when the model cannot take a request of about ``total`` tokens in
         ``inputs`` inputs (the first of about ``first``) now, before any tokenising (estimates: err
-        low; the model decides again on the real counts)."""
+        low; the model decides again on the real counts). ``hold``: one that passes is counted ahead
+        of the next ones until it is admitted (``Admitter.precheck``); False for a check made again
+        later for the same request (``shed``'s, from the head, before the route's)."""
         raise NotImplementedError
 
     @property
@@ -261,9 +264,10 @@ class LocalModel(ServedModel):
     def standing(self) -> bool:
         return self._batcher.scheduler.standing
 
-    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
+    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
+                   hold: bool = True) -> None:
         self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority, arrived=adm.arrived,
-                                 first=first, total=total, inputs=inputs)
+                                 first=first, total=total, inputs=inputs, hold=hold)
 
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None
@@ -301,7 +305,8 @@ class RemoteModel(ServedModel):
         report = self._client.report(self._index)
         return report is not None and report[0].standing
 
-    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1) -> None:
+    def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
+                   hold: bool = True) -> None:
         self._client.check_open()
         report = self._client.report(self._index)
         if report is None:

@@ -77,7 +77,7 @@ def _refusal(request: web.Request, model: ServedModel, length: int) -> web.Respo
     try:
         # The first input's length is unknown: the smallest it can be (a decision that errs towards
         # admitting; the route decides again on the real counts).
-        model.check_room(adm, min(total, model.specials + 1), total, 1)
+        model.check_room(adm, min(total, model.specials + 1), total, 1, hold=False)  # the route holds
     except CoalesceError as err:
         resp = error_response(err, dialect_of(request))
         rid = request_id(request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from coalesce.service.batching.admit import HOLD_S
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
 from coalesce.service.batching.overload import ARRIVAL_WINDOW_S, Regime, RetryPacer
@@ -94,6 +95,53 @@ def test_an_emptied_queue_under_an_overload_that_goes_on_still_stands() -> None:
     regime.asked(500, 1.0)  # 2,000 tokens/s
     assert regime.head_age(1.1) is None  # nothing waits
     assert regime.observe(1.1)
+
+
+def _standing_scheduler() -> Scheduler:
+    sched = Scheduler(shedding(), CostModel(), lambda n, m: n * m)
+    for n in (1, 8, 64):  # as warm-up measures it
+        sched.cost.observe(n * TOKENS, A + B * n * TOKENS)
+    sched.regime.standing, sched.regime.capacity = True, 0.0  # an overload that goes on
+    return sched
+
+
+def _passes(sched: Scheduler, now: float, priority: int = 1, hold: bool = True) -> bool:
+    return sched.precheck(TOKENS, TOKENS, 1, "default", 1.0, priority, now, now, hold=hold) is None
+
+
+def test_requests_checked_before_tokenising_count_until_admitted() -> None:
+    # Under a standing queue, requests that passed the early check are tokenised meanwhile: each
+    # later check counts them ahead, so a crowd arriving together is not all let through against the
+    # same empty queue, to be refused (or dropped late) after decoding and tokenising.
+    sched = _standing_scheduler()
+    passed = sum(_passes(sched, 1.0) for _ in range(2000))
+    # About the target's worth of the model's rate, not all of them (nor one).
+    assert 0.5 * TARGET * CAPACITY < passed < 1.5 * TARGET * CAPACITY
+    assert not _passes(sched, 1.0)
+    # Once admitted they are in the queue, no longer held: the fair queue counts them instead, so
+    # admission sees about what the check saw (it decides again, so a few at the edge may go).
+    admitted = 0
+    for _ in range(passed):
+        if sched.admit([TOKENS], "default", None, 1.0) is None:
+            admitted += 1
+            sched.add([Entry(TOKENS, 1.0)])
+    assert admitted >= 0.9 * passed
+    # Held normal requests do not refuse a high query.
+    crowd = _standing_scheduler()
+    while _passes(crowd, 1.0):
+        pass
+    assert _passes(crowd, 1.0, priority=0)
+    # A check made again for the same request (the head's, before the route's) holds nothing.
+    fresh = _standing_scheduler()
+    assert all(_passes(fresh, 1.0, hold=False) for _ in range(2000))
+
+
+def test_holds_of_requests_that_never_arrive_lapse() -> None:
+    sched = _standing_scheduler()
+    while _passes(sched, 1.0):
+        pass
+    assert not _passes(sched, 1.0 + HOLD_S / 2)
+    assert _passes(sched, 1.0 + HOLD_S * 1.01)  # they failed before admission: no longer counted
 
 
 def regime_at(res: Result, t: float) -> bool:

@@ -28,7 +28,8 @@ class _Standing:
         self.asked: list[tuple[str, int]] = []
 
     def check_room(self, model: ServedModel, adm: object, first: int = 1, total: int = 1,
-                   inputs: int = 1) -> None:
+                   inputs: int = 1, *, hold: bool = True) -> None:
+        assert not hold  # the route checks again, and holds
         self.asked.append((adm.tenant, total))  # type: ignore[attr-defined]
         raise Overloaded("The queue stands; retry in 1.500 s.", retry_after=1.5, code="overloaded")
 
