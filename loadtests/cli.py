@@ -135,7 +135,7 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--client", choices=("aiohttp", "raw"), default=d.client,
-        help="HTTP client: aiohttp (default), or raw, a lean keep-alive client costing a tenth of the "
+        help="HTTP client: aiohttp (default), or raw, a lean keep-alive client costing a fraction of the "
         "CPU per request (use it when the generator shares the server's cores)",
     )
     g.add_argument(

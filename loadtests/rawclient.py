@@ -2,7 +2,7 @@
 request bytes, and just enough response parsing to record what the aiohttp client records.
 
 Why not aiohttp's client here: on a small machine the load generator shares the cores with the server
-it measures, and aiohttp's client costs about ten times what this one does per request (its request
+it measures, and aiohttp's client costs several times what this one does per request (its request
 and response objects, header multidicts, connector bookkeeping). Under overload that difference is
 CPU taken from the server's model, so the measured goodput said more about the generator than about
 the server. Neither ``httpx`` nor ``aiohttp`` offers a cheaper mode, and ``wrk`` (C) cannot schedule

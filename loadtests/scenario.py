@@ -74,7 +74,7 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     encoding_format: str = "base64"
     timeout: float = 60.0
     max_inflight: int = 1024
-    # The HTTP client: "aiohttp", or "raw" (``rawclient``: a tenth of aiohttp's CPU per request, for
+    # The HTTP client: "aiohttp", or "raw" (``rawclient``: a fraction of aiohttp's CPU per request, for
     # machines where the generator shares the server's cores).
     client: Literal["aiohttp", "raw"] = "aiohttp"
     repeat: float = 0.0  # share of requests that resend an earlier request's body (a cache's hits)
