@@ -180,7 +180,10 @@ class Admitter:
         while held and (held[0][0] < limit or held[0][1] <= 0):
             _, tokens, cls = held.popleft()
             by_class[int(cls)] -= tokens
-        return int(sum(by_class[: priority + 1])) if held else 0
+        if not held:
+            by_class[:] = [0.0] * len(by_class)  # (no rounding left behind)
+            return 0
+        return int(sum(by_class[: priority + 1]))
 
     def _release(self, tokens: int, priority: int) -> None:
         """A request of ``priority`` and ``tokens`` tokens is being admitted: its hold (the oldest of
