@@ -274,8 +274,8 @@ class Settings:
     queue_target_ms: float | None = _knob(
         "When a queue stands (CoDel's target): once the oldest waiting input has waited longer than "
         "this for a whole --queue-interval-ms, the queue is not draining and admission switches from "
-        "--burst-wait-ms to --max-queue-wait-ms; it switches back once arrivals fall a tenth below the "
-        "model's rate. Lower detects overload sooner and treats more bursts as "
+        "--burst-wait-ms to --max-queue-wait-ms; it switches back once nothing waits or arrivals fall a "
+        "tenth below the model's rate. Lower detects overload sooner and treats more bursts as "
         "overload. Default: a quarter of --target-latency-ms.",
         default=None,
     )

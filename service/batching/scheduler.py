@@ -46,7 +46,6 @@ from typing import Literal, NamedTuple
 from .admit import AdmissionConfig, Admitter, Refusal
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
-from .overload import ARRIVAL_WINDOW_S
 from .policy import Limits, PaddedCost, form_batch, window_size
 
 __all__ = [
@@ -232,11 +231,7 @@ class Scheduler:
         """
         expired, shed = self._drop_hopeless(now)
         step = self._next(now, expired, shed)
-        if self.regime.observe(now) and step.decision is None and self.inflight == 0:
-            # Standing with nothing to run: look again once the arrivals window has passed, so a
-            # queue whose overload ended says so (the gauge, the engine's reports to gateways) without
-            # waiting for the next request.
-            step = step._replace(decision=Wait(now + ARRIVAL_WINDOW_S))
+        self.regime.observe(now)
         return step
 
     def _next(self, now: float, expired: list[Entry], shed: list[Entry]) -> Step:
