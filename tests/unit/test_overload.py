@@ -63,8 +63,8 @@ def test_overload_on_a_machine_slower_than_its_warm_up_sheds_at_the_door_not_lat
     # model's window of fast batches says, and 2× the slowed rate arrives. With predictions at the pace
     # forwards run now, the admitted keep about their latency and the model its goodput, and most of
     # the excess is refused at the door rather than admitted, decoded, tokenised and dropped late. (A
-    # cost model that trusted its window: p99 two to twenty times the target, and late drops half to
-    # nearly all of the refusals.)
+    # cost model that trusted its window fails all three: its p99 went far past the target, and late
+    # drops were most of its refusals.)
     capacity = CAPACITY / slowdown
     arrivals = own_flows(poisson(2.0 * capacity, 20.0, random.Random(3), tokens=TOKENS))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0, slowdown=slowdown)
