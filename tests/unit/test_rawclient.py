@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -52,7 +53,10 @@ def _payload(i: int = 0) -> Payload:
     return Payload(b'{"model":"m","input":"text %d"}' % i, 1, (3,))
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+async def _serve(path: str, handler: Any) -> tuple[web.AppRunner, str]:
+    """A loopback server answering POST ``path`` with ``handler``: its runner and base URL."""
+    app = web.Application()
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -75,9 +79,7 @@ async def test_connections_are_kept_alive_and_capped() -> None:
         inflight -= 1
         return web.json_response({"data": [{"index": 0, "embedding": [0.0]}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/embeddings", embed)
-    runner, base = await _serve(app)
+    runner, base = await _serve("/v1/embeddings", embed)
     client = RawClient(base + "/v1/embeddings", max_inflight=3, timeout_s=5.0)
     rec = Recorder()
     try:
@@ -105,9 +107,7 @@ async def test_a_server_that_closes_after_each_answer_costs_a_connection_each() 
         body = {"data": [{"index": 0, "embedding": [0.0]}]}
         return web.json_response(body, headers={"Connection": "close"})
 
-    app = web.Application()
-    app.router.add_post("/e", embed)
-    runner, base = await _serve(app)
+    runner, base = await _serve("/e", embed)
     client = RawClient(base + "/e", max_inflight=2, timeout_s=5.0)
     rec = Recorder()
     try:
