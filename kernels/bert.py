@@ -159,6 +159,20 @@ def _legacy_norm_name(key: str) -> str:
     return key
 
 
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Attention of (B, heads, S, head_dim) ``q``, ``k``, ``v`` under the additive ``bias`` (B, 1, 1, S):
+    PyTorch's fused kernel (the default; the only one CUDA graphs capture here)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The same attention as two batched matrix products and a softmax (what SDPA's reference "math"
+    backend computes, without its float32 up-cast). ``cpu_forward`` uses it for bfloat16 batches on the
+    CPU, where PyTorch's fused CPU kernel is slower than this at the short sequences embedded here."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)
+    return torch.matmul(scores.softmax(-1), v)
+
+
 class _Layer(nn.Module):
     """One post-norm transformer encoder layer with a fused QKV projection."""
 
@@ -173,12 +187,14 @@ class _Layer(nn.Module):
         self.ffn_in = nn.Linear(hidden, intermediate, device=meta)
         self.ffn_out = nn.Linear(intermediate, hidden, device=meta)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, device=meta)
+        self.act_name = act  # cpu_forward fuses it into ffn_in (then act is the identity)
         self.act = _ACTIVATIONS[act]
+        self.attend: Callable[..., torch.Tensor] = sdpa_attention  # cpu_forward may pick another
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        ctx = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=bias)
+        ctx = self.attend(qkv[0], qkv[1], qkv[2], bias)
         x = self.attn_norm(self.attn_out(ctx.transpose(1, 2).reshape(b, s, h)) + x)
         return self.ffn_norm(self.ffn_out(self.act(self.ffn_in(x))) + x)
 

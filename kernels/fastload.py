@@ -92,6 +92,7 @@ def build_fast_encoder_runner(
     graphs: GraphOptions = GraphOptions(),  # noqa: B008 (frozen, so one shared default is safe)
     aliases: Sequence[str] = (),
     truncate_dim: int | None = None,
+    cpu_fast_forward: bool = True,
 ) -> EncoderRunner | None:
     """The graph runner for the model at ``model_path``, loaded without importing transformers or
     sentence_transformers; None (logged) when the directory is outside what this loader reproduces,
@@ -115,7 +116,7 @@ def build_fast_encoder_runner(
                  model_path, e)
         return None
     dev = torch.device(resolve_device(device))
-    model = place_model(model, tokens, dtype, dev, what=model_path)
+    model = place_model(model, tokens, dtype, dev, what=model_path, cpu_fast_forward=cpu_fast_forward)
     log.info("model %s loaded from safetensors and tokenizer.json in %.3f s", model_path,
              time.perf_counter() - t0)
     return make_encoder_runner(

@@ -43,6 +43,7 @@ class RunnerOptions:
     graphs: GraphOptions = GraphOptions()  # noqa: RUF009 (frozen, so one shared default is safe)
     backend: str = "auto"  # torch, onnx, openvino, or auto (see onnx_runner.resolve_backend)
     openvino_cache_dir: str | None = None  # None: openvino_runner.default_cache_dir
+    cpu_fast_forward: bool = True  # BERT-family CPU forwards tuned by cpu_forward
 
 
 def load_runner(
@@ -74,7 +75,7 @@ def load_runner(
 
         fast = build_fast_encoder_runner(
             path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs,
-            aliases=aliases,
+            aliases=aliases, cpu_fast_forward=options.cpu_fast_forward,
         )
         if fast is not None:
             return fast
@@ -92,7 +93,8 @@ def load_runner(
     from .encoder_runner import build_encoder_runner
 
     graph_runner = build_encoder_runner(
-        path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs, aliases=aliases
+        path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs, aliases=aliases,
+        cpu_fast_forward=options.cpu_fast_forward,
     )
     if graph_runner is not None:
         return graph_runner

@@ -71,12 +71,19 @@ def backend_supported(name: str) -> Callable[[], str | None]:
     return missing
 
 
+PLAIN_FP32 = "torch float32 --no-cpu-fast-forward"
+PLAIN_AUTO = "torch --dtype auto --no-cpu-fast-forward"
+
+
 def backend_specs() -> list[BackendSpec]:
     """Every precision and backend the section measures, the float32 reference first."""
     return [
         BackendSpec("torch float32", ("--backend", "torch", "--dtype", "float32")),
         BackendSpec("torch bfloat16", ("--backend", "torch", "--dtype", "bfloat16")),
         BackendSpec("torch --dtype auto", ("--backend", "torch", "--dtype", "auto")),
+        # The same two without the tuned CPU forward (kernels/cpu_forward.py): what it gains, same run.
+        BackendSpec(PLAIN_FP32, ("--backend", "torch", "--dtype", "float32", "--no-cpu-fast-forward")),
+        BackendSpec(PLAIN_AUTO, ("--backend", "torch", "--dtype", "auto", "--no-cpu-fast-forward")),
         BackendSpec("ONNX Runtime fp32 export", ("--backend", "onnx"), export="fp32"),
         BackendSpec("ONNX Runtime int8 export", ("--backend", "onnx"), export="int8"),
         BackendSpec("OpenVINO f32", ("--backend", "openvino", "--dtype", "float32"), export="fp32",
@@ -242,6 +249,15 @@ def _figures(measured: dict[str, tuple[dict[str, tuple[float, float]], float, st
         figures.append([f"`--dtype auto` ({auto[2]}) throughput ÷ float32, {CLIENTS} clients", "≥ 2×",
                         f"{ratio:.2f}×", _met(ratio >= 2)])
         figures.append(["`--dtype auto` float recall@10", "≥ 0.99", f"{recall:.3f}", _met(recall >= 0.99)])
+    for tuned, plain, label in ((fp32, measured.get(PLAIN_FP32), "float32"),
+                                (auto, measured.get(PLAIN_AUTO), "`--dtype auto`")):
+        if tuned and plain and plain[1]:
+            figures.append([f"{label}: tuned CPU forward ÷ `--no-cpu-fast-forward`, {CLIENTS} clients",
+                            "(no target)", f"{tuned[1] / plain[1]:.2f}×", ""])
+    plain_fp32, plain_auto = measured.get(PLAIN_FP32), measured.get(PLAIN_AUTO)
+    if plain_fp32 and plain_auto and plain_fp32[1]:
+        figures.append([f"`--dtype auto` ÷ float32, both `--no-cpu-fast-forward`, {CLIENTS} clients",
+                        "(no target)", f"{plain_auto[1] / plain_fp32[1]:.2f}×", ""])
     if fp32:
         recall = fp32[0]["int8"][0]
         figures.append(["int8 output recall@10 (torch float32)", "≥ 0.98", f"{recall:.3f}",

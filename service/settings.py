@@ -190,6 +190,14 @@ class Settings:
         "float32 on the CPU.",
         default="auto",
     )
+    cpu_fast_forward: bool = _knob(
+        "On the CPU, run a BERT-family model's linear layers on weights reordered once at load for "
+        "oneDNN (GELU fused into the feed-forward projection) instead of reordered by the library on "
+        "every call, and, in bfloat16, attention as plain matrix products: a faster forward in both "
+        "precisions (BENCHMARKS.md, quality section). Kept only when its calibration rows match the "
+        "plain forward's (else logged and off). --no-cpu-fast-forward turns it off.",
+        default=True,
+    )
     cuda_graphs: bool = _knob(
         "Replay CUDA graphs captured per (batch, sequence) cell for BERT-family models, cutting kernel "
         "launch overhead at small batches; costs capture time at start-up and some GPU memory.",

@@ -75,6 +75,16 @@ def test_embeddings_match_sentence_transformers(runner: EncoderRunner, st: Any, 
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-5)
 
 
+def test_the_tuned_cpu_forward_embeds_like_the_plain_one(runner: EncoderRunner) -> None:
+    from coalesce.kernels.cpu_forward import is_tuned
+
+    plain = build_fast_encoder_runner(str(MODEL), name=None, device="cpu", dtype="float32",
+                                      cpu_fast_forward=False)
+    assert plain is not None
+    assert is_tuned(runner.model) and not is_tuned(plain.model)
+    np.testing.assert_allclose(_embed(runner, MIXED), _embed(plain, MIXED), rtol=0, atol=1e-5)
+
+
 def test_token_ids_match_sentence_transformers_and_long_input_is_truncated(
     runner: EncoderRunner, st: Any
 ) -> None:

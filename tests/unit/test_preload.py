@@ -160,3 +160,15 @@ def test_the_engine_takes_the_preloaded_runner_once_and_neither_warms_nor_seeds_
     assert "coalesce-preload" not in runner.forward_threads[len(seeds):]
     assert factory(s.model_specs[0]) is not runner  # a later load builds anew
     assert load.loaded == [*s.model_specs, *s.model_specs]
+
+
+@pytest.mark.parametrize(("argv", "tuned"), [([], True), (["--no-cpu-fast-forward"], False)])
+def test_the_cpu_fast_forward_flag_reaches_the_loader(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], tuned: bool
+) -> None:
+    from coalesce.kernels import loader
+
+    seen: list[Any] = []
+    monkeypatch.setattr(loader, "load_runner", lambda path, name, options, **kw: seen.append(options))
+    preload.model_loader(settings.build(argv, environ={}))(ModelSpec(None, None))
+    assert [o.cpu_fast_forward for o in seen] == [tuned]

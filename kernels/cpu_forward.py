@@ -1,0 +1,165 @@
+"""A faster CPU forward for ``GraphSafeBert``: linear layers on weights packed once for oneDNN (the
+activation fused into the first feed-forward projection) and, in bfloat16, matrix-product attention.
+
+* **Packed weights.** ``F.linear`` on the CPU hands its weight to the BLAS (float32) or oneDNN
+  (bfloat16) in the plain row-major layout on every call, and the library reorders it into the blocked
+  layout its kernels read; at the short sequences an embedding service runs that is a large share of
+  each call. The projections here are reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``)
+  and run by ``torch.ops.mkldnn._linear_pointwise``, the pair PyTorch's own compiler (inductor's
+  ``freezing`` on the CPU) emits for frozen linear layers, with GELU/ReLU as a fused post-op.
+* **Attention in bfloat16** runs as two batched matrix products and a softmax
+  (``bert.matmul_attention``) for batches of :data:`MATMUL_ATTENTION_MIN_ROWS` rows and more: PyTorch's
+  fused CPU attention up-casts bfloat16 blocks to float32 and, at these sequence lengths, is slower in
+  bfloat16 than in float32. A lone request (one or two rows) keeps the fused kernel, faster there.
+
+What it gains is measured side by side in BENCHMARKS.md (the quality section's ``--no-cpu-fast-forward``
+rows); ``--no-cpu-fast-forward`` turns it off. Nothing is taken on trust: the tuned model embeds the
+calibration rows the precision guard uses and is kept only when every row stays within
+:data:`TUNED_MIN_COSINE` of the plain forward's; otherwise (a build of torch without oneDNN, a CPU
+oneDNN refuses, a layout it gets wrong) the model is put back as it was, with a log line. The packed
+weights replace the plain ones, so no second copy stays resident. CUDA never comes here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .bert import matmul_attention, sdpa_attention
+from .precision import min_cosine
+
+log = logging.getLogger("coalesce.kernels")
+
+# The lowest cosine between a calibration row of the tuned and of the plain forward that keeps the tuned
+# one. Both compute the same function in another order of additions (float32: ~1e-7 apart; bfloat16,
+# rounded at other points: ~1e-5); a wrong weight layout gives unrelated rows.
+TUNED_MIN_COSINE = 0.9999
+
+# bfloat16 batches of at least this many rows attend by matrix products (fewer: PyTorch's fused kernel).
+MATMUL_ATTENTION_MIN_ROWS = 4
+
+# Hugging Face ``hidden_act`` → oneDNN post-op (attr, algorithm) computing exactly the same function.
+FUSED_ACTIVATIONS: dict[str, tuple[str, str]] = {
+    "gelu": ("gelu", "none"),  # erf GELU
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
+
+_PROJECTIONS = ("qkv", "attn_out", "ffn_in", "ffn_out")
+
+
+def packing_unavailable() -> str | None:
+    """Why this torch cannot pack linear weights for oneDNN, or None when it can."""
+    if not torch.backends.mkldnn.is_available():
+        return "this build of torch has no oneDNN"
+    for op in ("_reorder_linear_weight", "_linear_pointwise"):
+        if not hasattr(torch.ops.mkldnn, op):
+            return f"torch.ops.mkldnn.{op} is missing"
+    return None
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` (then the post-op ``attr``, e.g. GELU) on a weight oneDNN has reordered once.
+
+    The packed weight is an opaque oneDNN tensor held as a plain attribute, not a parameter: it is not
+    in the state dict and ``.to()`` leaves it alone (this module lives on the CPU, in one dtype).
+    """
+
+    def __init__(self, linear: nn.Linear, attr: str = "none", algorithm: str = "") -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.attr, self.algorithm = attr, algorithm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.attr, [], self.algorithm)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.dtype}, post-op={self.attr}"
+
+
+def bf16_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``matmul_attention`` for batches of :data:`MATMUL_ATTENTION_MIN_ROWS` rows or more, the fused
+    kernel below that (the batch's row count is a shape: no data-dependent branch)."""
+    if q.shape[0] >= MATMUL_ATTENTION_MIN_ROWS:
+        return matmul_attention(q, k, v, bias)
+    return sdpa_attention(q, k, v, bias)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _tune_layer(layer: Any, *, pack: bool, bf16: bool) -> dict[str, Any]:
+    """Tune ``layer`` in place; returns what was there, for :func:`_restore`."""
+    before = {name: getattr(layer, name) for name in (*_PROJECTIONS, "act", "attend")}
+    if pack:
+        fused = FUSED_ACTIVATIONS.get(layer.act_name)
+        for name in _PROJECTIONS:
+            post = fused if name == "ffn_in" and fused is not None else ("none", "")
+            setattr(layer, name, PackedLinear(before[name], *post))
+        if fused is not None:
+            layer.act = _identity
+    if bf16:
+        layer.attend = bf16_cpu_attention
+    return before
+
+
+def _restore(layer: Any, before: dict[str, Any]) -> None:
+    for name, module in before.items():
+        setattr(layer, name, module)
+
+
+def tune_cpu_forward(model: Any, embed: Callable[[Any], np.ndarray], *, what: str) -> Any:
+    """``model`` (a CPU ``GraphSafeBert``, float32 or bfloat16) tuned in place as this module describes
+    when that keeps every calibration row ``embed`` computes within :data:`TUNED_MIN_COSINE` of the
+    plain forward's; else as it was (logged). Returns ``model``."""
+    bf16 = model.word.weight.dtype == torch.bfloat16
+    reason = packing_unavailable()
+    if reason is not None:
+        log.info("model %s keeps plain linear layers: %s", what, reason)
+    pack = reason is None
+    if not pack and not bf16:
+        return model
+    changes = ", ".join(
+        part for part, on in (("oneDNN-packed linear layers", pack), ("matmul attention", bf16)) if on
+    )
+    done: list[tuple[Any, dict[str, Any]]] = []
+    with torch.inference_mode():
+        want = embed(model)
+        try:
+            for layer in model.layers:
+                done.append((layer, _tune_layer(layer, pack=pack, bf16=bf16)))
+            got = embed(model)
+        except (RuntimeError, NotImplementedError) as e:
+            for layer, before in done:
+                _restore(layer, before)
+            log.warning("model %s keeps its plain CPU forward: %s failed (%s)", what, changes, e)
+            return model
+    cosine = min_cosine(got, want)
+    if not np.isfinite(cosine) or cosine < TUNED_MIN_COSINE:
+        for layer, before in done:
+            _restore(layer, before)
+        log.warning("model %s keeps its plain CPU forward: with %s its calibration rows moved to cosine "
+                    "%.6f of the plain forward's (below %.4f)", what, changes, cosine, TUNED_MIN_COSINE)
+        return model
+    log.info("model %s runs on the tuned CPU forward (%s); calibration rows' cosine to the plain "
+             "forward at least %.7f", what, changes, cosine)
+    return model
+
+
+def is_tuned(model: Any) -> bool:
+    """Whether :func:`tune_cpu_forward` changed ``model``'s layers."""
+    layers = getattr(model, "layers", ())
+    return any(isinstance(m, PackedLinear) for m in model.modules()) or any(
+        getattr(layer, "attend", sdpa_attention) is not sdpa_attention for layer in layers
+    )
