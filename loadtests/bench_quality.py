@@ -3,12 +3,13 @@ throughput, in one table (CPU).
 
 Corpus: the paragraphs of Python's own reference documentation (``pydoc_data.topics``, shipped with
 every CPython: real prose, 1,258 paragraphs of at least 12 words), at most ``--quality-texts`` of them.
-Each backend of :func:`backend_specs` serves the packaged all-MiniLM-L6-v2 in turn, one server at a
-time on loopback; the corpus goes through ``/v2/embed`` as ``float``, ``int8``, ``uint8`` and
+Each backend of :func:`backend_specs` serves the packaged all-MiniLM-L6-v2, every server up at once on
+loopback; the corpus goes through ``/v2/embed`` as ``float``, ``int8``, ``uint8`` and
 ``ubinary``, and each paragraph's ten nearest neighbours by each representation (dot product; Hamming
 distance for binary) are compared with its ten nearest by cosine on torch float32's ``float``:
-recall@10, and the mean cosine of each row to its float32 row. Then the same server takes a closed
-loop of short requests from 32 clients: its throughput.
+recall@10, and the mean cosine of each row to its float32 row (one server at a time, the others idle).
+Then the servers take turns at a closed loop of short requests from 32 clients, in interleaved rounds:
+their throughput, the median round of each.
 
 Rows whose backend this build does not have (OpenVINO, until ``--backend openvino`` exists) are listed
 as not run, with the reason; :func:`backend_specs` is the one list to extend.
@@ -17,8 +18,10 @@ as not run, with the reason; :func:`backend_specs` is the one list to extend.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import statistics
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +39,7 @@ from coalesce.loadtests.scenario import Mode, Scenario
 from coalesce.loadtests.workload import Mix
 
 NEIGHBOURS = 10
+ROUNDS = 3  # interleaved throughput rounds per server (the median is reported)
 CHUNK = 16  # paragraphs per /v2/embed request (long ones: a request stays well inside its deadline)
 ATTEMPTS = 8  # per request, on 429/503 (a busy machine), after Retry-After
 MIN_WORDS = 12  # shorter paragraphs are headings and code fragments
@@ -179,35 +183,50 @@ def quality(args: argparse.Namespace) -> tuple[str, str]:
     texts = corpus(getattr(args, "quality_texts", None))
     # The raw client (``--client raw``): the load generator shares the server's two cores, and aiohttp's
     # client took CPU the faster precisions need most, so their ratios measured the generator too.
+    # Every server stays up for the whole section and the throughput runs interleave: ROUNDS rounds, each
+    # giving every server a turn (the order reversed every other round), the median per server. On a
+    # shared VM the same configuration measured once ran up to a fifth apart from run to run, and one
+    # server after another put that drift between the rows being compared.
     closed = Scenario(
-        mode=Mode.CLOSED, concurrency=CLIENTS, duration=args.duration, warmup=3.0, mix=Mix.SHORT,
-        client="raw",
+        mode=Mode.CLOSED, concurrency=CLIENTS, duration=max(args.duration / ROUNDS, 3.0), warmup=2.0,
+        mix=Mix.SHORT, client="raw",
     )
     exports: dict[str, Path] = {}
     measured: dict[str, tuple[dict[str, tuple[float, float]], float, str]] = {}
     skipped: dict[str, str] = {}
     reference: np.ndarray | None = None
-    for spec in backend_specs():
-        reason = spec.missing()
-        if reason is not None:
-            skipped[spec.label] = reason
-            continue
-        flags = list(spec.flags)
-        if spec.export is not None:
-            if spec.export not in exports:
-                exports[spec.export] = out / f"minilm-{spec.export}"
-                _export(exports[spec.export], spec.export)
-            flags += ["--model", str(exports[spec.export])]
-        name = re.sub(r"[^A-Za-z0-9]+", "-", spec.label).strip("-").lower()
-        with servers.running(_spec(args, name, [*flags, "--log-level", "warning"]), out / "logs",
-                             args.ready_timeout) as srv:
+    kept: dict[str, tuple[dict[str, tuple[float, float]], str]] = {}
+    with contextlib.ExitStack() as stack:
+        running: dict[str, tuple[str, servers.RunningServer]] = {}
+        for spec in backend_specs():
+            reason = spec.missing()
+            if reason is not None:
+                skipped[spec.label] = reason
+                continue
+            flags = list(spec.flags)
+            if spec.export is not None:
+                if spec.export not in exports:
+                    exports[spec.export] = out / f"minilm-{spec.export}"
+                    _export(exports[spec.export], spec.export)
+                flags += ["--model", str(exports[spec.export])]
+            name = re.sub(r"[^A-Za-z0-9]+", "-", spec.label).strip("-").lower()
+            srv = stack.enter_context(servers.running(
+                _spec(args, name, [*flags, "--log-level", "warning"]), out / "logs", args.ready_timeout))
+            running[spec.label] = (name, srv)
+        for label, (_, srv) in running.items():  # one at a time: the others sit idle
             vectors = embed(srv.base_url, texts)
             np.testing.assert_array_equal(vectors.uint8 - 128, vectors.int8)  # the README's promise
-            dtype = _info(srv.base_url).get("model_dtype", "?")
-            step = _run(srv.url, closed, f"{name} c{CLIENTS}", out)
-        if reference is None:
-            reference = vectors.float_
-        measured[spec.label] = (compare(vectors, reference), float(step.achieved_rps), str(dtype))
+            if reference is None:
+                reference = vectors.float_
+            kept[label] = (compare(vectors, reference), str(_info(srv.base_url).get("model_dtype", "?")))
+        rates: dict[str, list[float]] = {label: [] for label in running}
+        for r in range(ROUNDS):
+            order = list(running.items())
+            for label, (name, srv) in order if r % 2 == 0 else reversed(order):
+                step = _run(srv.url, closed, f"{name} c{CLIENTS} round{r + 1}", out)
+                rates[label].append(float(step.achieved_rps))
+    for label, (score, dtype) in kept.items():
+        measured[label] = (score, statistics.median(rates[label]), dtype)
     if reference is None:
         raise RuntimeError("no backend of the quality section could run")
     dim = reference.shape[1]
@@ -225,14 +244,15 @@ def quality(args: argparse.Namespace) -> tuple[str, str]:
         rows.append([label, "-", "-", "-", "-", "-", "not run", reason])
     body = (
         f"The packaged all-MiniLM-L6-v2 on {len(texts)} paragraphs of Python's reference documentation "
-        "(`pydoc_data.topics`, shipped with CPython), each backend served in turn. Recall@"
+        "(`pydoc_data.topics`, shipped with CPython), each backend on a server of its own. Recall@"
         f"{NEIGHBOURS}: each paragraph's {NEIGHBOURS} nearest by the row's vectors (dot product; binary: "
         f"Hamming distance) against its {NEIGHBOURS} nearest by cosine on torch float32's `float`; mean "
         "cosine: each vector against its float32 one. uint8 is compared raw (as a store that forgets to "
         "subtract 128 would); uint8 − 128 equals int8 exactly (checked). Throughput: short "
         f"single-sentence requests, closed loop, {CLIENTS} clients (the raw client, `coalesce loadtest "
-        f"--client raw`), {args.duration:g} s after 3 s warm-up; the last column divides by the first "
-        "row's.\n\n"
+        f"--client raw`): every server up at once, {ROUNDS} interleaved rounds of {closed.duration:g} s "
+        "after 2 s warm-up each (the order reversed every other round), the median round per row; the "
+        "last column divides by the first row's.\n\n"
         + markdown_table(["backend", "model_dtype", "output", "bytes", f"recall@{NEIGHBOURS}",
                           "mean cosine", f"req/s ({CLIENTS} clients)", "÷ torch float32"], rows)
         + "\n\n" + markdown_table(["figure", "target", "measured", ""], _figures(measured)) + "\n"
