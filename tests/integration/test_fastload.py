@@ -185,3 +185,13 @@ def test_tokenizer_settings_tokenize_like_sentence_transformers(
     theirs = reference.tokenizer(texts, add_special_tokens=False)["input_ids"]
     assert ours == theirs
     assert (ours[0] == ours[1]) is upper_equals_lower
+
+
+def test_the_per_operator_profile_prints_both_precisions(capsys: pytest.CaptureFixture[str]) -> None:
+    from coalesce.loadtests import forward_ops
+
+    assert forward_ops.main(["--rows", "4", "--tokens", "6", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tuned CPU forward" in out and "float32" in out and "bfloat16" in out
+    assert "_linear_pointwise" in out  # the packed layers are what runs
+    assert "all operators" in out and "wall ms per forward" in out
