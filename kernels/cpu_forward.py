@@ -18,6 +18,10 @@ calibration rows the precision guard uses and is kept only when every row stays 
 :data:`TUNED_MIN_COSINE` of the plain forward's; otherwise (a build of torch without oneDNN, a CPU
 oneDNN refuses, a layout it gets wrong) the model is put back as it was, with a log line. The packed
 weights replace the plain ones, so no second copy stays resident. CUDA never comes here.
+
+:func:`pack_linear_layers` does the packing alone (no fused activation, no attention change) for any
+other CPU model: the eager sentence-transformers runner's (models outside the BERT family, pipelines
+with a Dense layer), under the same check.
 """
 
 from __future__ import annotations
@@ -154,6 +158,48 @@ def tune_cpu_forward(model: Any, embed: Callable[[Any], np.ndarray], *, what: st
         return model
     log.info("model %s runs on the tuned CPU forward (%s); calibration rows' cosine to the plain "
              "forward at least %.7f", what, changes, cosine)
+    return model
+
+
+def pack_linear_layers(model: Any, embed: Callable[[Any], np.ndarray], *, what: str) -> Any:
+    """Any CPU model (the eager sentence-transformers runner's): every plain ``nn.Linear`` in it (not
+    subclasses, whose owners may read ``.weight``) on oneDNN-packed weights, when that keeps every
+    calibration row ``embed`` computes within :data:`TUNED_MIN_COSINE` of the plain model's; else the
+    model as it was (logged). No activation is fused: the module graph is not known here. In place;
+    returns ``model``."""
+    reason = packing_unavailable()
+    if reason is not None:
+        log.info("model %s keeps plain linear layers: %s", what, reason)
+        return model
+    sites = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype in (torch.float32, torch.bfloat16)
+        and child.weight.device.type == "cpu"
+    ]
+    if not sites:
+        return model
+    with torch.inference_mode():
+        want = embed(model)
+        try:
+            for parent, name, child in sites:
+                setattr(parent, name, PackedLinear(child))
+            got = embed(model)
+        except Exception as e:  # any model's code: whatever fails, the plain model stays
+            for parent, name, child in sites:
+                setattr(parent, name, child)
+            log.warning("model %s keeps plain linear layers: packed, it failed (%s)", what, e)
+            return model
+    cosine = min_cosine(got, want)
+    if not np.isfinite(cosine) or cosine < TUNED_MIN_COSINE:
+        for parent, name, child in sites:
+            setattr(parent, name, child)
+        log.warning("model %s keeps plain linear layers: packed, its calibration rows moved to cosine %.6f",
+                    what, cosine)
+        return model
+    log.info("model %s runs %d linear layers on oneDNN-packed weights (calibration rows' cosine to the "
+             "plain model at least %.7f)", what, len(sites), cosine)
     return model
 
 

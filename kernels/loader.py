@@ -43,7 +43,7 @@ class RunnerOptions:
     graphs: GraphOptions = GraphOptions()  # noqa: RUF009 (frozen, so one shared default is safe)
     backend: str = "auto"  # torch, onnx, openvino, or auto (see onnx_runner.resolve_backend)
     openvino_cache_dir: str | None = None  # None: openvino_runner.default_cache_dir
-    cpu_fast_forward: bool = True  # BERT-family CPU forwards tuned by cpu_forward
+    cpu_fast_forward: bool = True  # CPU embedding forwards tuned by cpu_forward
 
 
 def load_runner(
@@ -99,5 +99,6 @@ def load_runner(
     if graph_runner is not None:
         return graph_runner
     return SentenceTransformerRunner(
-        path, name=name, device=options.device, dtype=options.dtype, aliases=aliases
+        path, name=name, device=options.device, dtype=options.dtype, aliases=aliases,
+        cpu_fast_forward=options.cpu_fast_forward,
     )

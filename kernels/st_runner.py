@@ -78,7 +78,7 @@ class SentenceTransformerRunner:
 
     def __init__(
         self, path: str, *, name: str | None, device: str = "auto", dtype: str = "auto",
-        aliases: Sequence[str] = (),
+        aliases: Sequence[str] = (), cpu_fast_forward: bool = True,
     ) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
@@ -91,7 +91,7 @@ class SentenceTransformerRunner:
         self.tokens = TokenizerAdapter(self.model.tokenizer, max_tokens)
         self._input_names = set(self.model.tokenizer.model_input_names)
         if self.device == "cpu":  # CUDA keeps the weights as loaded (float32), as it always has
-            self.model = self._placed(dtype, what=path)
+            self.model = self._placed(dtype, what=path, pack=cpu_fast_forward)
         dim_of = partial(_embedding_dimension, self.model)
         kinds = [type(m).__name__ for m in self.model]
         normalized = "Normalize" in kinds
@@ -109,8 +109,10 @@ class SentenceTransformerRunner:
             raw_rows=not normalized or kinds[-1] == "Normalize",  # raw rows skip a final Normalize
         )
 
-    def _placed(self, dtype: str, *, what: str) -> Any:
-        """The model in the precision ``--dtype`` resolves to on the CPU (bfloat16 past the guard)."""
+    def _placed(self, dtype: str, *, what: str, pack: bool) -> Any:
+        """The model in the precision ``--dtype`` resolves to on the CPU (bfloat16 past the guard), its
+        linear layers on oneDNN-packed weights (``pack``: ``--cpu-fast-forward``) past the same check."""
+        from .cpu_forward import pack_linear_layers
         from .precision import guard_sentences, to_precision
 
         seqs = [self.with_special_tokens(ids) for ids in self.tokenize(guard_sentences())]
@@ -120,7 +122,8 @@ class SentenceTransformerRunner:
             rows: np.ndarray = model(dict(features))["sentence_embedding"].float().numpy()
             return rows
 
-        return to_precision(self.model, dtype, self._torch.device("cpu"), embed, what=what)
+        model = to_precision(self.model, dtype, self._torch.device("cpu"), embed, what=what)
+        return pack_linear_layers(model, embed, what=what) if pack else model
 
     # -- CPU side ------------------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:

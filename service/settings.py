@@ -191,9 +191,9 @@ class Settings:
         default="auto",
     )
     cpu_fast_forward: bool = _knob(
-        "On the CPU, run a BERT-family model's linear layers on weights reordered once at load for "
-        "oneDNN (GELU fused into the feed-forward projection) instead of reordered by the library on "
-        "every call, and, in bfloat16, attention as plain matrix products: a faster forward in both "
+        "On the CPU, run an embedding model's linear layers on weights reordered once at load for "
+        "oneDNN instead of reordered by the library on every call (BERT-family models also get GELU "
+        "fused and, in bfloat16, attention as plain matrix products): a faster forward in both "
         "precisions (BENCHMARKS.md, quality section). Kept only when its calibration rows match the "
         "plain forward's (else logged and off). --no-cpu-fast-forward turns it off.",
         default=True,

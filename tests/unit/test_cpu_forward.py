@@ -140,3 +140,34 @@ def test_the_packed_weights_replace_the_plain_ones() -> None:
     assert not any(n.endswith(("qkv.weight", "ffn_in.weight", "ffn_out.weight", "attn_out.weight"))
                    for n in names)
     assert "layers.0.attn_norm.weight" in names
+
+
+class _ReadsItsWeight(torch.nn.Module):
+    """Model code that reads a linear layer's ``.weight`` (as some Hugging Face models do to cast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(self.lin(x.to(self.lin.weight.dtype)))
+
+
+def _rows_of(model: Any) -> np.ndarray:
+    with torch.inference_mode():
+        return np.asarray(model(torch.ones(3, 8)).numpy())
+
+
+def test_generic_packing_keeps_a_model_that_reads_its_weights_plain(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="coalesce.kernels"):
+        model = cpu_forward.pack_linear_layers(_ReadsItsWeight(), _rows_of, what="toy")
+    assert isinstance(model.lin, torch.nn.Linear) and "keeps plain linear layers" in caplog.text
+
+
+def test_generic_packing_packs_plain_linear_layers_with_the_same_rows() -> None:
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    want = _rows_of(plain)
+    packed = cpu_forward.pack_linear_layers(plain, _rows_of, what="toy")
+    assert all(isinstance(packed[i], PackedLinear) for i in (0, 2))
+    np.testing.assert_allclose(_rows_of(packed), want, rtol=0, atol=1e-6)
