@@ -250,7 +250,7 @@ def quality(args: argparse.Namespace) -> tuple[str, str]:
         "cosine: each vector against its float32 one. uint8 is compared raw (as a store that forgets to "
         "subtract 128 would); uint8 − 128 equals int8 exactly (checked). Throughput: short "
         f"single-sentence requests, closed loop, {CLIENTS} clients (the raw client, `coalesce loadtest "
-        f"--client raw`): every server up at once, {ROUNDS} interleaved rounds of {closed.duration:g} s "
+        f"--client raw`): every server up at once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s "
         "after 2 s warm-up each (the order reversed every other round), the median round per row; the "
         "last column divides by the first row's.\n\n"
         + markdown_table(["backend", "model_dtype", "output", "bytes", f"recall@{NEIGHBOURS}",

@@ -195,3 +195,4 @@ def test_the_per_operator_profile_prints_both_precisions(capsys: pytest.CaptureF
     assert "tuned CPU forward" in out and "float32" in out and "bfloat16" in out
     assert "_linear_pointwise" in out  # the packed layers are what runs
     assert "all operators" in out and "wall ms per forward" in out
+    assert "plain (--no-cpu-fast-forward)" in out and "plain ÷ tuned" in out  # both forwards timed
