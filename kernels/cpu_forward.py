@@ -27,7 +27,7 @@ with a Dense layer), under the same check.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -103,24 +103,70 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _tune_layer(layer: Any, *, pack: bool, bf16: bool) -> dict[str, Any]:
-    """Tune ``layer`` in place; returns what was there, for :func:`_restore`."""
-    before = {name: getattr(layer, name) for name in (*_PROJECTIONS, "act", "attend")}
-    if pack:
-        fused = FUSED_ACTIVATIONS.get(layer.act_name)
-        for name in _PROJECTIONS:
-            post = fused if name == "ffn_in" and fused is not None else ("none", "")
-            setattr(layer, name, PackedLinear(before[name], *post))
-        if fused is not None:
-            layer.act = _identity
-    if bf16:
-        layer.attend = bf16_cpu_attention
-    return before
+# A change to a model: (owner, attribute, new value).
+_Swap = tuple[Any, str, Any]
 
 
-def _restore(layer: Any, before: dict[str, Any]) -> None:
-    for name, module in before.items():
-        setattr(layer, name, module)
+def _layer_swaps(model: Any, *, pack: bool, bf16: bool) -> Iterator[_Swap]:
+    """What tunes each of a ``GraphSafeBert``'s layers (built as it is applied: packing may raise)."""
+    for layer in model.layers:
+        if pack:
+            fused = FUSED_ACTIVATIONS.get(layer.act_name)
+            for name in _PROJECTIONS:
+                post = fused if name == "ffn_in" and fused is not None else ("none", "")
+                yield layer, name, PackedLinear(getattr(layer, name), *post)
+            if fused is not None:
+                yield layer, "act", _identity
+        if bf16:
+            yield layer, "attend", bf16_cpu_attention
+
+
+def _linear_swaps(model: Any) -> Iterator[_Swap]:
+    """Every plain ``nn.Linear`` of any CPU model on packed weights (not subclasses, whose owners may
+    read ``.weight``; no activation fused: the module graph is not known here)."""
+    sites = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype in (torch.float32, torch.bfloat16)
+        and child.weight.device.type == "cpu"
+    ]
+    for parent, name, child in sites:
+        yield parent, name, PackedLinear(child)
+
+
+def _checked(model: Any, embed: Callable[[Any], np.ndarray], swaps: Iterable[_Swap], *, what: str,
+             changes: str) -> Any:
+    """``model`` with ``swaps`` applied when every calibration row ``embed`` computes stays within
+    :data:`TUNED_MIN_COSINE` of the plain model's; else put back as it was (logged). In place."""
+    undo: list[_Swap] = []
+
+    def put_back() -> None:
+        for owner, attr, value in reversed(undo):
+            setattr(owner, attr, value)
+
+    with torch.inference_mode():
+        want = embed(model)
+        try:
+            for owner, attr, value in swaps:
+                undo.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, value)
+            if not undo:
+                return model
+            got = embed(model)
+        except Exception as e:  # a oneDNN build, CPU or model code that refuses: the plain model stays
+            put_back()
+            log.warning("model %s keeps its plain CPU forward: %s failed (%s)", what, changes, e)
+            return model
+    cosine = min_cosine(got, want)
+    if not np.isfinite(cosine) or cosine < TUNED_MIN_COSINE:
+        put_back()
+        log.warning("model %s keeps its plain CPU forward: with %s its calibration rows moved to cosine "
+                    "%.6f of the plain forward's (below %.4f)", what, changes, cosine, TUNED_MIN_COSINE)
+        return model
+    log.info("model %s runs on the tuned CPU forward (%s); calibration rows' cosine to the plain "
+             "forward at least %.7f", what, changes, cosine)
+    return model
 
 
 def tune_cpu_forward(model: Any, embed: Callable[[Any], np.ndarray], *, what: str) -> Any:
@@ -137,70 +183,18 @@ def tune_cpu_forward(model: Any, embed: Callable[[Any], np.ndarray], *, what: st
     changes = ", ".join(
         part for part, on in (("oneDNN-packed linear layers", pack), ("matmul attention", bf16)) if on
     )
-    done: list[tuple[Any, dict[str, Any]]] = []
-    with torch.inference_mode():
-        want = embed(model)
-        try:
-            for layer in model.layers:
-                done.append((layer, _tune_layer(layer, pack=pack, bf16=bf16)))
-            got = embed(model)
-        except Exception as e:  # a oneDNN build or CPU that refuses: whatever fails, the plain forward stays
-            for layer, before in done:
-                _restore(layer, before)
-            log.warning("model %s keeps its plain CPU forward: %s failed (%s)", what, changes, e)
-            return model
-    cosine = min_cosine(got, want)
-    if not np.isfinite(cosine) or cosine < TUNED_MIN_COSINE:
-        for layer, before in done:
-            _restore(layer, before)
-        log.warning("model %s keeps its plain CPU forward: with %s its calibration rows moved to cosine "
-                    "%.6f of the plain forward's (below %.4f)", what, changes, cosine, TUNED_MIN_COSINE)
-        return model
-    log.info("model %s runs on the tuned CPU forward (%s); calibration rows' cosine to the plain "
-             "forward at least %.7f", what, changes, cosine)
-    return model
+    return _checked(model, embed, _layer_swaps(model, pack=pack, bf16=bf16), what=what, changes=changes)
 
 
 def pack_linear_layers(model: Any, embed: Callable[[Any], np.ndarray], *, what: str) -> Any:
-    """Any CPU model (the eager sentence-transformers runner's): every plain ``nn.Linear`` in it (not
-    subclasses, whose owners may read ``.weight``) on oneDNN-packed weights, when that keeps every
-    calibration row ``embed`` computes within :data:`TUNED_MIN_COSINE` of the plain model's; else the
-    model as it was (logged). No activation is fused: the module graph is not known here. In place;
-    returns ``model``."""
+    """Any CPU model (the eager sentence-transformers runner's) with every plain ``nn.Linear`` on
+    oneDNN-packed weights, under the same check as :func:`tune_cpu_forward`. In place; returns
+    ``model``."""
     reason = packing_unavailable()
     if reason is not None:
         log.info("model %s keeps plain linear layers: %s", what, reason)
         return model
-    sites = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype in (torch.float32, torch.bfloat16)
-        and child.weight.device.type == "cpu"
-    ]
-    if not sites:
-        return model
-    with torch.inference_mode():
-        want = embed(model)
-        try:
-            for parent, name, child in sites:
-                setattr(parent, name, PackedLinear(child))
-            got = embed(model)
-        except Exception as e:  # any model's code: whatever fails, the plain model stays
-            for parent, name, child in sites:
-                setattr(parent, name, child)
-            log.warning("model %s keeps plain linear layers: packed, it failed (%s)", what, e)
-            return model
-    cosine = min_cosine(got, want)
-    if not np.isfinite(cosine) or cosine < TUNED_MIN_COSINE:
-        for parent, name, child in sites:
-            setattr(parent, name, child)
-        log.warning("model %s keeps plain linear layers: packed, its calibration rows moved to cosine %.6f",
-                    what, cosine)
-        return model
-    log.info("model %s runs %d linear layers on oneDNN-packed weights (calibration rows' cosine to the "
-             "plain model at least %.7f)", what, len(sites), cosine)
-    return model
+    return _checked(model, embed, _linear_swaps(model), what=what, changes="oneDNN-packed linear layers")
 
 
 def is_tuned(model: Any) -> bool:

@@ -250,10 +250,9 @@ def place_model(
     (``cpu_fast_forward``) on ``cpu_forward``'s faster CPU forward when those rows stay put."""
 
     def embedding(sentences: list[str]) -> Callable[[GraphSafeBert], np.ndarray]:
-        seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(sentences)]
-        ids, lengths = pad_to_shape(seqs, len(seqs), max(map(len, seqs)), tokens.pad_id)
-
-        def embed(m: GraphSafeBert) -> np.ndarray:
+        def embed(m: GraphSafeBert) -> np.ndarray:  # tokenised only when called (CUDA never is)
+            seqs = [tokens.with_special_tokens(ids) for ids in tokens.tokenize(sentences)]
+            ids, lengths = pad_to_shape(seqs, len(seqs), max(map(len, seqs)), tokens.pad_id)
             return m(torch.from_numpy(ids), torch.from_numpy(lengths)).float().numpy()
 
         return embed

@@ -16,6 +16,7 @@ from coalesce.kernels.cpu_forward import PackedLinear, is_tuned, tune_cpu_forwar
 from coalesce.kernels.precision import _bf16_copy
 
 from tests.unit.test_bert_state_dict import CONFIG, _hf_state
+from tests.unit.test_precision import _Linear
 
 pytestmark = pytest.mark.skipif(
     cpu_forward.packing_unavailable() is not None, reason="this torch cannot pack for oneDNN"
@@ -142,31 +143,20 @@ def test_the_packed_weights_replace_the_plain_ones() -> None:
     assert "layers.0.attn_norm.weight" in names
 
 
-class _ReadsItsWeight(torch.nn.Module):
-    """Model code that reads a linear layer's ``.weight`` (as some Hugging Face models do to cast)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(self.lin(x.to(self.lin.weight.dtype)))
-
-
 def _rows_of(model: Any) -> np.ndarray:
     with torch.inference_mode():
-        return np.asarray(model(torch.ones(3, 8)).numpy())
+        return np.asarray(model(torch.ones(3, 16)).numpy())
 
 
 def test_generic_packing_keeps_a_model_that_reads_its_weights_plain(caplog: pytest.LogCaptureFixture) -> None:
+    # Model code that reads a linear layer's ``.weight`` (as some Hugging Face models do to cast).
     with caplog.at_level(logging.WARNING, logger="coalesce.kernels"):
-        model = cpu_forward.pack_linear_layers(_ReadsItsWeight(), _rows_of, what="toy")
-    assert isinstance(model.lin, torch.nn.Linear) and "keeps plain linear layers" in caplog.text
+        model = cpu_forward.pack_linear_layers(_Linear(), _rows_of, what="toy")
+    assert isinstance(model.layer, torch.nn.Linear) and "keeps its plain CPU forward" in caplog.text
 
 
 def test_generic_packing_packs_plain_linear_layers_with_the_same_rows() -> None:
-    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     want = _rows_of(plain)
     packed = cpu_forward.pack_linear_layers(plain, _rows_of, what="toy")
     assert all(isinstance(packed[i], PackedLinear) for i in (0, 2))
