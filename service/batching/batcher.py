@@ -163,6 +163,49 @@ class _Work:
         return rest
 
 
+class _Wake:
+    """The batcher's owner wakes: :meth:`set` runs ``step`` once on the loop soon, however often it is
+    called before that run (a set during the run asks for another). It does what an ``asyncio.Event``
+    awaited in a loop did, without the future, the task switch and the running-loop lookup (a system
+    call on Python 3.11) of every wake: a batch's results, a new request, a timer each wake it.
+
+    A step that raises ends :attr:`stopped` with its exception, and no step runs after that or after
+    :meth:`stop`."""
+
+    __slots__ = ("_due", "_loop", "_step", "stopped")
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self._step = step
+        self._due = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopped: asyncio.Future[None] | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.stopped = loop.create_future()
+        if self._due:  # set before the start
+            loop.call_soon(self._run)
+
+    def set(self) -> None:
+        if not self._due:
+            self._due = True
+            if self._loop is not None:
+                self._loop.call_soon(self._run)
+
+    def stop(self) -> None:
+        """No step runs any more."""
+        self._loop = None
+
+    def _run(self) -> None:
+        self._due = False
+        if self._loop is None or self.stopped is None or self.stopped.done():
+            return
+        try:
+            self._step()
+        except BaseException as exc:  # a bug in a step stops the batcher (it refuses work from then)
+            self.stopped.set_exception(exc)
+
+
 _KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
 # The head of an unmarked sequence's key, by kind: (kind, b_start -1, pool_start 0, not raw).
 _PLAIN_HEADS = {kind: array("i", (code, -1, 0, 0)).tobytes() for kind, code in _KINDS.items()}
@@ -201,7 +244,7 @@ class Batcher:
         self._series = metrics.model_series(model)
         self._cache = cache if cache is not None and cache.capacity > 0 else None
         self._inflight: dict[bytes, _Work] = {}  # queued or running, by input key
-        self._wake = asyncio.Event()
+        self._wake = _Wake(self._step)
         self._idle = asyncio.Event()
         self._idle.set()
         self._timer: asyncio.TimerHandle | None = None
@@ -215,7 +258,9 @@ class Batcher:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run_loop(), name=f"batcher-{self.model}")
+        loop = asyncio.get_running_loop()
+        self._wake.start(loop)
+        self._task = loop.create_task(self._run_loop(), name=f"batcher-{self.model}")
         self._task.add_done_callback(self._on_stopped)
 
     def _on_stopped(self, task: asyncio.Task[None]) -> None:
@@ -240,7 +285,7 @@ class Batcher:
         if self._task is None:
             return
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # (a crash was logged when it ended)
             await self._task
 
     # -- admission -----------------------------------------------------------------------------------
@@ -386,12 +431,12 @@ class Batcher:
 
     # -- the owner task ------------------------------------------------------------------------------
     async def _run_loop(self) -> None:
+        stopped = self._wake.stopped
+        assert stopped is not None  # (started)
         try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                self._step()
+            await stopped  # steps run as the wake schedules them; this ends on a failed one
         finally:
+            self._wake.stop()
             # Stopped (shutdown): whatever still waits is answered, never left hanging.
             err = Unavailable(
                 "The server is shutting down; retry on another replica.", retry_after=1, code="shutting_down"

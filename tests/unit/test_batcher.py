@@ -340,3 +340,19 @@ async def test_windows_of_a_long_input_share_batches_with_other_callers() -> Non
             np.testing.assert_allclose(row, rig.runner.expected(q), rtol=1e-6)
     finally:
         await rig.aclose()
+
+
+async def test_a_bug_in_a_step_answers_what_waits_and_refuses_what_comes_after(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The owner's step raises (a bug): the request waiting is answered 503, never left hanging, and the
+    # batcher refuses new work rather than queueing it where nothing would ever run it.
+    def broken(now: float) -> object:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(rig.batcher.scheduler, "next", broken)
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(rig.embed("waits"), 10)
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(rig.embed("comes after"), 10)
+    assert rig.runner.batches == []
