@@ -30,7 +30,7 @@ from coalesce.kernels.protocol import OutputKind, is_raw, marks
 from .. import tracing
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
-from ..metrics import Metrics, observe_all
+from ..metrics import Metrics, observe_all, observe_one
 from .cache import ResultCache
 from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
@@ -629,10 +629,10 @@ class Batcher:
         m.batches.inc()
         m.inputs.inc(len(batch))
         m.tokens.inc(tokens)
-        m.batch_size.observe(len(batch))
-        m.batch_tokens.observe(padded)
-        m.padding_ratio.observe(padding_ratio([e.n_tokens for e in batch], padded))
-        m.forward_seconds.observe(out.forward_s)
+        observe_one(m.batch_size, len(batch))
+        observe_one(m.batch_tokens, padded)
+        observe_one(m.padding_ratio, padding_ratio([e.n_tokens for e in batch], padded))
+        observe_one(m.forward_seconds, out.forward_s)
         waits = m.queue_wait
         priority = batch[0].priority
         if all(e.priority == priority for e in batch):  # (the common case: one class)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coalesce.service.metrics import observe_all
+from coalesce.service.metrics import observe_all, observe_one
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 
@@ -61,3 +61,14 @@ sys.stdout.write(generate_latest(reg).decode())
     assert 'coalesce_batch_size_count{model="m"} 100.0' in out
     files = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("counter_"))
     assert len(files) == 2  # the parent's and the forked child's
+
+
+def test_one_value_observed_by_bisection_reads_as_prometheus_clients_own_observe() -> None:
+    buckets = (0.001, 0.0025, 0.005, 0.01, 1.0, 30.0)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = Histogram("wait_seconds", "w", buckets=buckets, registry=ours)
+    plain = Histogram("wait_seconds", "w", buckets=buckets, registry=theirs)
+    for v in (0.0, 0.001, 0.0010001, 0.0025, 0.7, 1.0, 29.9, 30.0, 31.0, 1e9):  # edges, between, beyond
+        observe_one(fast, v)
+        plain.observe(v)
+    assert generate_latest(ours) == generate_latest(theirs)

@@ -1,0 +1,202 @@
+"""Where the engine's CPU per request goes, without sockets, HTTP or a model.
+
+    python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--rounds 2000] [--profile N] [--json]
+
+The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
+``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
+message) driven in one process: each round hands the link one ``Submit`` of ``--jobs`` one-sentence
+requests (distinct inputs, no result cache, the packaged model's tokenizer and facts, the forward a
+constant — ``coalesce.loadtests.nullmodel``), and the next round starts when the answers of all of them
+have been "sent" (encoded, then dropped). CPU per request (every thread of the process), two ways:
+
+* **threaded**: the batch goes to the device thread and back, as in ``coalesce serve``;
+* **inline**: the same batch run on the event loop's thread, its answer scheduled with ``call_soon``:
+  the engine's Python alone, so the difference is what the hand-off to the device thread and back
+  costs per batch on this machine.
+
+Also the bare cost of that hand-off: a call handed to a Python thread that answers the event loop with
+``call_soon_threadsafe`` (what ``ModelWorker`` does), CPU per round trip. ``--profile N``: cProfile's
+top ``N`` functions (own time) of the inline path at the last ``--jobs`` value, in a run of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from queue import SimpleQueue
+from typing import Any
+
+
+class _Frame:
+    """What the link reads of a ZeroMQ frame."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> tuple[float, float, str]:
+    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and the
+    profile (if asked)."""
+    import zmq
+    from coalesce.kernels.worker import BatchOutput
+    from coalesce.loadtests.nullmodel import factory
+    from coalesce.service.engine import messages as wire
+    from coalesce.service.engine.core import Engine
+    from coalesce.service.engine.server import GatewayLink, _offer
+    from coalesce.service.metrics import Metrics
+    from coalesce.service.settings import Settings
+
+    settings = Settings(cache_mb=0, runner_factory="coalesce.loadtests.nullmodel:factory")
+    metrics = Metrics()
+    engine = Engine(settings, metrics, factory)
+    await engine.load()
+    loop = asyncio.get_running_loop()
+    if inline:
+        for model in engine.models:
+            runner = model.runner
+
+            def start(batch: Sequence[Sequence[int]], kind: object, done: Callable[[Any], None],
+                      runner: Any = runner) -> None:
+                t0 = time.perf_counter()
+                rows = runner.finish(runner.forward(runner.prepare(batch)), None)
+                loop.call_soon(done, BatchOutput(rows, 0.0, max(time.perf_counter() - t0, 1e-6)))
+
+            model.worker.start = start
+    ctx: zmq.Context[Any] = zmq.Context()
+    with tempfile.TemporaryDirectory() as tmp:
+        link = GatewayLink(0, ctx, wire.endpoint(tmp, 0), engine, metrics)
+        link.welcome([_offer(m, settings) for m in engine.models])
+        state = {"answered": 0, "target": 0}
+        all_in = asyncio.Event()
+
+        def sent(parts: list[Any]) -> None:
+            msg = wire.gateway_decoder.decode(parts[0])
+            if isinstance(msg, wire.Results):
+                if msg.failed:
+                    raise RuntimeError(f"refused in the bench: {msg.failed[0]}")
+                state["answered"] += len(msg.done)
+                if state["answered"] >= state["target"]:
+                    all_in.set()
+
+        link._send = sent
+        # Distinct one-sentence inputs ([CLS] w w [SEP]), so none is deduplicated against another.
+        seqs = [[101, 2000 + 37 * j, 2100 + j, 102] for j in range(jobs)]
+        sizes = [1 + len(s) for s in seqs]
+        frame = array("i")
+        for s in seqs:
+            frame.extend([len(s), *s])
+
+        def message(first_id: int) -> list[_Frame]:
+            deadline = time.monotonic() + 3600
+            batch = [wire.Job(first_id + j, 0, 1, False, "default", 1.0, 1, deadline) for j in range(jobs)]
+            return [_Frame(wire.encoder.encode(wire.Submit(batch, sizes))), _Frame(frame.tobytes())]
+
+        async def run(count: int, first: int) -> None:
+            msgs = [message((first + r) * jobs) for r in range(count)]
+            for msg in msgs:
+                state["target"] += jobs
+                all_in.clear()
+                link._on_message(msg)
+                await all_in.wait()
+
+        def batches() -> float:
+            name = engine.models[0].info.name
+            return metrics.registry.get_sample_value("coalesce_batches_total", {"model": name}) or 0.0
+
+        await run(max(rounds // 10, 20), 0)  # warm-up: the cost model settles, caches fill
+        prof = cProfile.Profile() if profile else None
+        b0, c0 = batches(), time.process_time()
+        if prof is not None:
+            prof.enable()
+        await run(rounds, rounds)
+        if prof is not None:
+            prof.disable()
+        cpu = time.process_time() - c0
+        per_message = (batches() - b0) / rounds
+        link.close()
+    await engine.close()
+    ctx.term()
+    text = ""
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
+        text = out.getvalue()
+    return cpu / (rounds * jobs) * 1e6, per_message, text
+
+
+async def _thread_round_trip(rounds: int) -> float:
+    """CPU µs of one call handed to a thread that answers the loop with ``call_soon_threadsafe``."""
+    loop = asyncio.get_running_loop()
+    queue: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
+
+    def lane() -> None:
+        while (item := queue.get()) is not None:
+            loop.call_soon_threadsafe(item)
+
+    thread = threading.Thread(target=lane)
+    thread.start()
+    c0 = time.process_time()
+    for _ in range(rounds):
+        fut = loop.create_future()
+        queue.put(lambda fut=fut: fut.set_result(None))  # type: ignore[misc]
+        await fut
+    cpu = time.process_time() - c0
+    queue.put(None)
+    thread.join()
+    return cpu / rounds * 1e6
+
+
+def measure(jobs: Sequence[int], rounds: int, profile: int = 0) -> dict[str, Any]:
+    """Every figure the tool prints, as data (the bench's engine section reads it)."""
+    import uvloop
+    from coalesce.service.logs import configure
+
+    configure("warning")
+    rows = []
+    text = ""
+    for n in jobs:
+        threaded, per_message, _ = uvloop.run(_engine_rounds(n, rounds, inline=False, profile=0))
+        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, inline=True, profile=0))
+        rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
+                     "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
+    hop = uvloop.run(_thread_round_trip(max(rounds, 1000)))
+    if profile:  # a run of its own: the profiler slows what it watches several times over
+        _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, inline=True, profile=profile))
+    return {"rows": rows, "thread_round_trip_us": hop, "profile": text, "cpus": os.cpu_count()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coalesce.loadtests.engine_ops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", default="1,4,16", help="requests per Submit message, comma-separated")
+    p.add_argument("--rounds", type=int, default=2000, help="messages measured per row")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = p.parse_args(argv)
+    figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile)
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    print("requests/message  batches/message  threaded µs/request  inline µs/request  hand-off µs/batch")
+    for r in figures["rows"]:
+        print(f"{r['jobs']:>16}  {r['batches']:>15.2f}  {r['threaded_us']:>19.1f}  {r['inline_us']:>17.1f}  "
+              f"{r['hand_off_us']:>17.1f}")
+    print(f"bare thread round trip (SimpleQueue.put, call_soon_threadsafe): "
+          f"{figures['thread_round_trip_us']:.1f} µs CPU")
+    if figures["profile"]:
+        print(figures["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
