@@ -1,13 +1,16 @@
 """The model facade's tokenisation hand-off: requests arriving together share one call to the
-tokenizer, each gets exactly its own ids, and a failure reaches only the request that caused it."""
+tokenizer, each gets exactly its own ids, and a failure reaches only the request that caused it — on the
+event loop for a turn of short texts, on the tokenizer thread otherwise (every test runs both ways)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
 from coalesce.kernels.protocol import ModelInfo, Task
+from coalesce.service.gateway import facade
 from coalesce.service.gateway.facade import ServedModel
 from coalesce.service.metrics import Metrics
 
@@ -20,9 +23,11 @@ class CountingTokens(FakeTokens):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[list[str]] = []
+        self.threads: list[str] = []
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         self.calls.append(list(texts))
+        self.threads.append(threading.current_thread().name)
         if any("poison" in t for t in texts):
             raise ValueError("cannot tokenise poison")
         return super().tokenize(texts)
@@ -31,8 +36,10 @@ class CountingTokens(FakeTokens):
 Rig = tuple[CountingTokens, ServedModel]
 
 
-@pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
+@pytest.fixture(params=["inline", "thread"])
+async def rig(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
+    if request.param == "thread":
+        monkeypatch.setattr(facade, "INLINE_TOKENIZE_CHARS", 0)
     tokens = CountingTokens()
     info = ModelInfo(name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8)
     model = ServedModel(info, tokens, device="cpu", metrics=Metrics())
@@ -79,3 +86,13 @@ async def test_a_caller_that_left_does_not_disturb_the_others(rig: Rig) -> None:
     gone.cancel()
     assert await stays == _own_ids(tokens, ["stays"])
     assert gone.cancelled()
+
+
+async def test_a_turn_of_short_texts_is_tokenised_on_the_loop_and_a_long_one_on_the_thread(rig: Rig) -> None:
+    tokens, model = rig
+    loop_thread = threading.current_thread().name
+    await model.tokenize(["short"])
+    await model.tokenize(["long " * (facade.INLINE_TOKENIZE_CHARS // 5 + 1)])
+    inline = facade.INLINE_TOKENIZE_CHARS > 0
+    assert (tokens.threads[0] == loop_thread) is inline
+    assert tokens.threads[1] != loop_thread
