@@ -15,8 +15,13 @@ have been "sent" (encoded, then dropped). CPU per request (every thread of the p
   costs per batch on this machine.
 
 Also the bare cost of that hand-off: a call handed to a Python thread that answers the event loop with
-``call_soon_threadsafe`` (what ``ModelWorker`` does), CPU per round trip. ``--profile N``: cProfile's
-top ``N`` functions (own time) of the inline path at the last ``--jobs`` value, in a run of its own.
+``call_soon_threadsafe`` (what ``ModelWorker`` does), CPU per round trip; and what a message between
+two processes costs: a small message (a 200-byte head and a 1,536-byte frame, four 384-wide rows) sent
+to a process that sends it back, CPU per round trip of each side, over the engine's link
+(``engine/channel.py``: a Unix socket on the event loop) and, when pyzmq is installed, over a ZeroMQ
+DEALER pair on ``ipc://`` read the way the link read it before (the link's previous transport).
+``--profile N``: cProfile's top ``N`` functions (own time) of the inline path at the last ``--jobs``
+value, in a run of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import importlib.util
 import io
 import json
 import os
@@ -37,17 +43,9 @@ from queue import SimpleQueue
 from typing import Any
 
 
-class _Frame:
-    """What the link reads of a ZeroMQ frame."""
-
-    def __init__(self, data: bytes) -> None:
-        self.buffer = memoryview(data)
-
-
 async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> tuple[float, float, str]:
     """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and the
     profile (if asked)."""
-    import zmq
     from coalesce.kernels.worker import BatchOutput
     from coalesce.loadtests.nullmodel import factory
     from coalesce.service.engine import messages as wire
@@ -72,9 +70,8 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
                 loop.call_soon(done, BatchOutput(rows, 0.0, max(time.perf_counter() - t0, 1e-6)))
 
             model.worker.start = start
-    ctx: zmq.Context[Any] = zmq.Context()
     with tempfile.TemporaryDirectory() as tmp:
-        link = GatewayLink(0, ctx, wire.endpoint(tmp, 0), engine, metrics)
+        link = GatewayLink(0, wire.endpoint(tmp, 0), engine, metrics)  # (its socket is never bound)
         link.welcome([_offer(m, settings) for m in engine.models])
         state = {"answered": 0, "target": 0}
         all_in = asyncio.Event()
@@ -96,10 +93,10 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
         for s in seqs:
             frame.extend([len(s), *s])
 
-        def message(first_id: int) -> list[_Frame]:
+        def message(first_id: int) -> list[memoryview]:
             deadline = time.monotonic() + 3600
             batch = [wire.Job(first_id + j, 0, 1, False, "default", 1.0, 1, deadline) for j in range(jobs)]
-            return [_Frame(wire.encoder.encode(wire.Submit(batch, sizes))), _Frame(frame.tobytes())]
+            return [memoryview(wire.encoder.encode(wire.Submit(batch, sizes))), memoryview(frame.tobytes())]
 
         async def run(count: int, first: int) -> None:
             msgs = [message((first + r) * jobs) for r in range(count)]
@@ -125,7 +122,6 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
         per_message = (batches() - b0) / rounds
         link.close()
     await engine.close()
-    ctx.term()
     text = ""
     if prof is not None:
         out = io.StringIO()
@@ -156,6 +152,116 @@ async def _thread_round_trip(rounds: int) -> float:
     return cpu / rounds * 1e6
 
 
+_HEAD, _ROWS = b"h" * 200, b"r" * 1536  # a Results head and four 384-wide float32 rows
+
+
+async def _echo(transport: str, path: str) -> None:
+    """The far side of :func:`_message_round_trip`: send every message back until one says stop."""
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    if transport == "unix":
+        from coalesce.service.engine.channel import Link
+
+        def back(parts: list[memoryview]) -> None:
+            if bytes(parts[0]) == b"stop":
+                stop.set_result(None)
+            else:
+                link.send([bytes(p) for p in parts])
+
+        link = Link("echo", back)
+        await link.listen(path)
+        print("ready", flush=True)
+        await stop
+        link.close()
+        return
+    import zmq
+
+    ctx: Any = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{path}")
+
+    def read() -> None:
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            if bytes(parts[0].buffer) == b"stop":
+                stop.set_result(None)
+                return
+            sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+
+    loop.add_reader(sock.FD, read)
+    print("ready", flush=True)
+    read()
+    await stop
+    sock.close(linger=0)
+    ctx.term()
+
+
+async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float]:
+    """CPU µs per round trip of a small message to another process and back: (this side, the far side)."""
+    import subprocess
+    import sys
+
+    from coalesce.loadtests import procs
+
+    loop = asyncio.get_running_loop()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "echo.sock")
+        far = subprocess.Popen([sys.executable, "-m", "coalesce.loadtests.engine_ops", "--echo", transport,
+                                path], stdout=subprocess.PIPE)
+        assert far.stdout is not None
+        await loop.run_in_executor(None, far.stdout.readline)  # "ready"
+        back: asyncio.Future[None] | None = None
+        if transport == "unix":
+            from coalesce.service.engine.channel import Link
+
+            def answered(parts: list[memoryview]) -> None:
+                assert back is not None
+                back.set_result(None)
+
+            link = Link("bench", answered)
+            link.connect(path)
+            send: Callable[[], object] = lambda: link.send([_HEAD, _ROWS])  # noqa: E731
+            stop: Callable[[], object] = lambda: link.send([b"stop"])  # noqa: E731
+        else:
+            import zmq
+
+            ctx: Any = zmq.Context()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"ipc://{path}")
+
+            def read() -> None:
+                while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    if back is not None and not back.done():
+                        back.set_result(None)
+
+            loop.add_reader(sock.FD, read)
+
+            def send() -> None:
+                sock.send_multipart([_HEAD, _ROWS], zmq.NOBLOCK, copy=False)
+                loop.call_soon(read)  # (the descriptor is edge-triggered: a reply may already wait)
+
+            stop = lambda: sock.send(b"stop")  # noqa: E731
+        for measured in (False, True):  # a warm-up, then the measured rounds
+            c0, f0 = time.process_time(), procs.cpu_seconds(far.pid)
+            for _ in range(rounds if measured else rounds // 10):
+                back = loop.create_future()
+                send()
+                await back
+            mine, theirs = time.process_time() - c0, procs.cpu_seconds(far.pid) - f0
+        stop()
+        await loop.run_in_executor(None, far.wait)
+        if transport == "unix":
+            link.close()
+        else:
+            loop.remove_reader(sock.FD)
+            sock.close(linger=0)
+            ctx.term()
+    return mine / rounds * 1e6, theirs / rounds * 1e6
+
+
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
@@ -170,9 +276,13 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0) -> dict[str, Any
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
     hop = uvloop.run(_thread_round_trip(max(rounds, 1000)))
+    messages = {"unix": uvloop.run(_message_round_trip("unix", max(rounds, 1000)))}
+    if importlib.util.find_spec("zmq") is not None:
+        messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
         _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, inline=True, profile=profile))
-    return {"rows": rows, "thread_round_trip_us": hop, "profile": text, "cpus": os.cpu_count()}
+    return {"rows": rows, "thread_round_trip_us": hop, "message_round_trip_us": messages, "profile": text,
+            "cpus": os.cpu_count()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,7 +292,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2000, help="messages measured per row")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
     args = p.parse_args(argv)
+    if args.echo:
+        import uvloop
+
+        uvloop.run(_echo(*args.echo))
+        return 0
     figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile)
     if args.json:
         print(json.dumps(figures))
@@ -193,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{r['hand_off_us']:>17.1f}")
     print(f"bare thread round trip (SimpleQueue.put, call_soon_threadsafe): "
           f"{figures['thread_round_trip_us']:.1f} µs CPU")
+    for transport, (mine, theirs) in figures["message_round_trip_us"].items():
+        print(f"message round trip to another process over {transport}: {mine:.1f} µs CPU here, "
+              f"{theirs:.1f} µs there")
     if figures["profile"]:
         print(figures["profile"])
     return 0

@@ -2,7 +2,7 @@
 
 The GPU machine (an H200 some tasks are lent for a few minutes) has torch, transformers,
 sentence-transformers, aiohttp, uvloop, prometheus-client, numpy and pytest, but not msgspec,
-structlog, pyzmq or the packaged model; it reaches no package registry, and at most 64 MiB travel with a
+structlog or the packaged model; it reaches no package registry, and at most 64 MiB travel with a
 call (the packaged model's weights alone are 91 MB). So the session is prepared here and runs there in
 one call:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 # The service's dependencies the GPU machine lacks (its image was read in 2026-11); pinned to the
 # versions installed here, which the test suite ran against.
-MISSING_THERE = ("msgspec", "structlog", "pyzmq")
+MISSING_THERE = ("msgspec", "structlog")
 # pip matches a manylinux tag exactly, so name the ones a wheel is usually published under.
 _PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 _SKIP = {"model.safetensors", "README.md"}  # weights are written there; the card is not needed

@@ -1,10 +1,10 @@
 """The protocol between gateway processes and the engine: every message, and how arrays travel.
 
-Each gateway has its own pair of ZeroMQ DEALER sockets with the engine (``ipc://`` in a private
-directory). A message is a multipart ZeroMQ message: frame 0 is one of the msgspec Structs below,
+Each gateway has its own Unix socket to the engine, in a private directory (``channel.py`` frames
+messages on it). A message is a list of frames: frame 0 is one of the msgspec Structs below,
 msgpack-encoded; arrays follow as raw frames, never inside the encoding, one frame per message however
-many requests it carries (a frame costs each side a few microseconds to send and receive: per request,
-that was the largest share of both processes' CPU once the model costs nothing):
+many requests it carries (every message costs each side a send and a receive: per request, that was the
+largest share of both processes' CPU once the model costs nothing):
 
 * ``Submit`` carries one int32 frame: each request's ids back to back, ``Submit.sizes[i]`` of them for
   ``jobs[i]``. A request's ids are its sequences' lengths, then (for marked sequences: text pairs,
@@ -39,8 +39,8 @@ from .. import errors
 
 
 def endpoint(directory: str, gateway: int) -> str:
-    """The ``ipc://`` address of gateway ``gateway``'s socket in the private runtime ``directory``."""
-    return f"ipc://{Path(directory) / f'gateway-{gateway}.sock'}"
+    """The path of gateway ``gateway``'s Unix socket in the private runtime ``directory``."""
+    return str(Path(directory) / f"gateway-{gateway}.sock")
 
 
 class ModelOffer(msgspec.Struct, frozen=True):

@@ -23,7 +23,6 @@ from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
-import zmq
 from coalesce.kernels.protocol import OutputKind
 
 from .. import tracing
@@ -47,14 +46,12 @@ _CAPTURE_EVERY_S = 1.0
 class GatewayLink:
     """The engine's end of one gateway's socket: its jobs in flight and its outgoing replies."""
 
-    def __init__(self, index: int, ctx: zmq.Context[Any], address: str, engine: Engine,
-                 metrics: Metrics) -> None:
+    def __init__(self, index: int, address: str, engine: Engine, metrics: Metrics) -> None:
         self.index = index
         self._engine = engine
         self._metrics = metrics
-        self._link = Link(ctx, f"gateway-{index}", self._on_message,
-                          zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, self._on_event)
-        self._link.sock.bind(address)
+        self._address = address
+        self._link = Link(f"gateway-{index}", self._on_message, on_down=self._on_lost)
         self._jobs: dict[int, tuple[Batcher, Ticket]] = {}  # admitted, not answered yet
         self._offers: list[wire.ModelOffer] | None = None
         self._error: str | None = None
@@ -65,8 +62,9 @@ class GatewayLink:
         self._flushing = False
         self._captured_at = 0.0
 
-    def start(self) -> None:
-        self._link.start()
+    async def start(self) -> None:
+        """Bind this gateway's socket (at once, before the models load: the gateway connects meanwhile)."""
+        await self._link.listen(self._address)
 
     def welcome(self, offers: list[wire.ModelOffer] | None, error: str | None = None) -> None:
         """The models are loaded (``offers``), or failed to (``error``): tell the gateway once it is here."""
@@ -78,9 +76,9 @@ class GatewayLink:
         self._send([wire.encoder.encode(wire.Welcome(self._offers or [], self._error))])
 
     # -- incoming ------------------------------------------------------------------------------------
-    def _on_message(self, parts: list[zmq.Frame]) -> None:
+    def _on_message(self, parts: list[memoryview]) -> None:
         try:
-            msg = wire.engine_decoder.decode(parts[0].buffer)
+            msg = wire.engine_decoder.decode(parts[0])
         except Exception as exc:
             self._refuse(f"undecodable message: {exc}")
             return
@@ -102,7 +100,7 @@ class GatewayLink:
         log.warning("gateway_message_refused", gateway=self.index, reason=reason)
         self._send([wire.encoder.encode(wire.Refused(reason))])
 
-    def _submit(self, msg: wire.Submit, frames: list[zmq.Frame]) -> None:
+    def _submit(self, msg: wire.Submit, frames: list[memoryview]) -> None:
         if len(frames) != 1:
             self._refuse(f"{len(msg.jobs)} jobs with {len(frames)} frames (one frame holds them all)")
             return
@@ -113,7 +111,7 @@ class GatewayLink:
             return
         models = self._engine.models
         try:
-            unpacked = wire.unpack_submit(msg, frames[0].buffer, [m.info for m in models])
+            unpacked = wire.unpack_submit(msg, frames[0], [m.info for m in models])
         except wire.ProtocolError as exc:
             self._refuse(str(exc))
             return
@@ -182,10 +180,8 @@ class GatewayLink:
         self._link.send(parts)
 
     # -- the gateway's life --------------------------------------------------------------------------
-    def _on_event(self, event: int) -> None:
-        """A disconnect of this socket's peer means its gateway died: drop its queued work now."""
-        if event != zmq.EVENT_DISCONNECTED:
-            return
+    def _on_lost(self) -> None:
+        """This socket's peer went away: its gateway died, so its queued work is dropped now."""
         if self._jobs:
             log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
         jobs, self._jobs = self._jobs, {}
@@ -211,11 +207,10 @@ async def _serve_engine(settings: Settings, factory: RunnerFactory | None) -> in
     assert settings.engine_dir is not None
     metrics = Metrics()
     engine = Engine(settings, metrics, factory or default_factory(settings))
-    ctx: zmq.Context[Any] = zmq.Context()
-    links = [GatewayLink(i, ctx, wire.endpoint(settings.engine_dir, i), engine, metrics)
+    links = [GatewayLink(i, wire.endpoint(settings.engine_dir, i), engine, metrics)
              for i in range(settings.workers)]
     for link in links:
-        link.start()
+        await link.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -250,7 +245,6 @@ async def _serve_engine(settings: Settings, factory: RunnerFactory | None) -> in
     await engine.close()
     for link in links:
         link.close()
-    ctx.term()
     return code
 
 

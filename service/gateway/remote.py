@@ -1,7 +1,7 @@
 """A gateway's connection to the engine process (``--workers N``): submit, cancel, and results back.
 
-One ZeroMQ DEALER socket to the engine's socket for this gateway (``engine/messages.py`` is the
-protocol). Requests and cancellations made in one event-loop turn travel in one message. Every
+One Unix socket to the engine's socket for this gateway (``engine/channel.py``; ``engine/messages.py``
+is the protocol). Requests and cancellations made in one event-loop turn travel in one message. Every
 request owns a future here, and every exit path resolves it: the engine's rows or refusal, the caller
 cancelling it (a ``Cancel`` goes to the engine, which drops what has not run), or the engine going
 away — told at once by the socket's disconnect event, never by a timeout — which answers every waiting
@@ -15,10 +15,8 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
-import zmq
 from coalesce.kernels.protocol import OutputKind
 from coalesce.kernels.tokens import TokenizerAdapter
 
@@ -46,9 +44,7 @@ class EngineClient:
     """Submit jobs to the engine and resolve their futures from its replies."""
 
     def __init__(self, endpoint: str, gateway: int, on_lost: Callable[[str], None]) -> None:
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._link = Link(self._ctx, "engine", self._on_message,
-                          zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, self._on_event)
+        self._link = Link("engine", self._on_message, on_up=self._on_up, on_down=self._on_down)
         self._connected = False
         self._endpoint = endpoint
         self._gateway = gateway
@@ -71,9 +67,8 @@ class EngineClient:
         """Connect, introduce this gateway, and wait for the engine's models (it may still be loading)."""
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
-        self._link.start()
-        self._link.sock.connect(self._endpoint)
-        self._link.send([wire.encoder.encode(wire.Hello(self._gateway, os.getpid()))])
+        self._link.connect(self._endpoint)  # (the engine binds it at once; until then, tries again)
+        self._link.send([wire.encoder.encode(wire.Hello(self._gateway, os.getpid()))])  # sent once connected
         return await self._welcome
 
     # -- requests ------------------------------------------------------------------------------------
@@ -148,9 +143,9 @@ class EngineClient:
         self._link.send(parts)
 
     # -- replies -------------------------------------------------------------------------------------
-    def _on_message(self, parts: list[zmq.Frame]) -> None:
+    def _on_message(self, parts: list[memoryview]) -> None:
         try:
-            msg = wire.gateway_decoder.decode(parts[0].buffer)
+            msg = wire.gateway_decoder.decode(parts[0])
         except Exception as exc:  # the engine and this gateway disagree: loud, not fatal
             log.error("engine_message_refused", error=str(exc))
             return
@@ -162,11 +157,11 @@ class EngineClient:
         else:
             log.error("engine_refused_a_message", reason=msg.reason)
 
-    def _results(self, msg: wire.Results, frames: Sequence[zmq.Frame]) -> None:
+    def _results(self, msg: wire.Results, frames: Sequence[memoryview]) -> None:
         self._queues, self._queues_at = msg.queues, time.monotonic()
         waiting = self._waiting
         sizes = [d.n * d.dim for d in msg.done]
-        rows = np.frombuffer(frames[0].buffer if frames else b"", dtype=np.float32)
+        rows = np.frombuffer(frames[0] if frames else b"", dtype=np.float32)
         if any(size < 0 for size in sizes) or sum(sizes) != rows.size:  # loud, not fatal
             exc = wire.ProtocolError(f"{len(sizes)} pieces of {sum(sizes)} items in a frame of {rows.nbytes} "
                                      "bytes")
@@ -186,12 +181,12 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_exception(wire.error_from(failed.error))
 
-    def _on_event(self, event: int) -> None:
-        """The engine's socket events: a disconnect after the connection means the engine is gone."""
-        if event == zmq.EVENT_CONNECTED:
-            self._connected = True
-        elif (event == zmq.EVENT_DISCONNECTED and self._connected and not self._closing
-              and self._lost is None):
+    def _on_up(self) -> None:
+        self._connected = True
+
+    def _on_down(self) -> None:
+        """The engine's socket closed under this gateway: the engine is gone."""
+        if self._connected and not self._closing and self._lost is None:
             self._lose("the engine process went away")
 
     def _lose(self, reason: str) -> None:
@@ -230,7 +225,6 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(err)
         self._link.close()
-        self._ctx.term()
 
 
 class RemoteBackend:

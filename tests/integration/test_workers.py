@@ -10,6 +10,7 @@ torch. (SIGTERM under load with --workers 2 is in test_shutdown.py.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -288,8 +289,6 @@ async def test_a_gateway_that_dies_has_its_queued_work_dropped_and_takes_the_rep
 
 async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_path: Path) -> None:
     import msgspec
-    import zmq
-    import zmq.asyncio
     from coalesce.service.engine import messages as wire
 
     engine_dir = tmp_path / "engine"
@@ -300,30 +299,35 @@ async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=REPO, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    # A stream that breaks the framing itself (a message claiming 10,000 frames) ends that connection,
+    # logged, as a gateway that went away; the engine serves the next one.
+    for _ in range(600):
+        with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+            reader, writer = await asyncio.open_unix_connection(wire.endpoint(str(engine_dir), 0))
+            break
+        await asyncio.sleep(0.05)
+    writer.write((10_000).to_bytes(4, "little"))
     try:
-        sock.connect(wire.endpoint(str(engine_dir), 0))
-
-        async def reply() -> Any:
-            parts = await asyncio.wait_for(sock.recv_multipart(), 60)
-            return wire.gateway_decoder.decode(parts[0]), parts[1:]
-
-        await sock.send(wire.encoder.encode(wire.Hello(0, os.getpid())))
-        welcome, _ = await reply()
+        ended = await asyncio.wait_for(reader.read(), 30) == b""
+    except ConnectionResetError:  # (aborted: the engine sends nothing more on it)
+        ended = True
+    assert ended, "the engine closes that connection"
+    writer.close()
+    raw = _RawGateway(engine_dir)
+    try:
+        welcome = await raw.hello()
         assert isinstance(welcome, wire.Welcome) and welcome.models[0].info.name == MODEL
 
-        await sock.send(b"\x93not a message")
-        refused, _ = await reply()
+        raw.send([b"\x93not a message"])
+        refused, _ = await raw.reply()
         assert isinstance(refused, wire.Refused) and "undecodable" in refused.reason
         no_frames = {"type": "Submit", "jobs": [[1, 0, 1, False, "t", 1.0, 1, 0.0]], "sizes": [4]}
-        await sock.send(msgspec.msgpack.encode(no_frames))
-        refused, _ = await reply()
+        raw.send([msgspec.msgpack.encode(no_frames)])
+        refused, _ = await raw.reply()
         assert isinstance(refused, wire.Refused) and "frames" in refused.reason
         short = wire.Submit([wire.Job(1, 0, 1, False, "t", 1.0, 1, 0.0)], [5])  # 5 ids in a frame of 4
-        await sock.send_multipart([wire.encoder.encode(short), np.array([3, 101, 7592, 102], np.int32)])
-        refused, _ = await reply()
+        raw.send([wire.encoder.encode(short), np.array([3, 101, 7592, 102], np.int32).tobytes()])
+        refused, _ = await raw.reply()
         assert isinstance(refused, wire.Refused) and "in a frame of 16 bytes" in refused.reason
 
         deadline = time.monotonic() + 30
@@ -331,26 +335,21 @@ async def test_a_garbage_message_on_the_engine_socket_is_refused_and_logged(tmp_
         good = wire.Job(3, 0, 1, False, "default", 1.0, 1, deadline)
         frame_bad = np.array([3, 101, 10**7, 102], dtype=np.int32).tobytes()  # an id past the vocabulary
         frame_good = np.array([3, 101, 7592, 102], dtype=np.int32).tobytes()
-        both = wire.Submit([bad, good], [4, 4])
-        await sock.send_multipart([wire.encoder.encode(both), frame_bad + frame_good])
+        raw.send([wire.encoder.encode(wire.Submit([bad, good], [4, 4])), frame_bad + frame_good])
         seen: dict[int, Any] = {}
-        while len(seen) < 2:
-            results, frames = await reply()
-            seen.update({f.id: f.error for f in results.failed})
-            pieces = wire.split_frame([d.n * d.dim for d in results.done], frames[0])
-            seen.update({d.id: np.frombuffer(p, dtype=np.float32) for d, p in zip(results.done, pieces,
-                                                                                   strict=True)})
+        await raw.answers({2, 3}, seen)
         assert seen[2].code == "protocol_error" and "vocabulary" in seen[2].message
-        assert seen[3].shape == (384,), "the engine still serves after refusing garbage"
+        assert seen[3].shape == (1, 384), "the engine still serves after refusing garbage"
+
         assert proc.poll() is None
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        raw.close()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     log = err.decode()
     assert proc.returncode == 0
     assert log.count("gateway_message_refused") == 3 and "gateway_job_refused" in log
+    assert "link_protocol_broken" in log
 
 
 async def test_a_supervisor_killed_outright_takes_its_engine_and_gateways_with_it(replica: Any) -> None:
@@ -374,23 +373,23 @@ class _RawGateway:
     as a gateway sends them, and every reply read back."""
 
     def __init__(self, engine_dir: Path) -> None:
-        import zmq
-        import zmq.asyncio
-
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
         from coalesce.service.engine import messages as wire
+        from coalesce.service.engine.channel import Link
 
         self.wire = wire
-        self.sock.connect(wire.endpoint(str(engine_dir), 0))
+        self.replies: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        self.link = Link("test-gateway", lambda parts: self.replies.put_nowait([bytes(p) for p in parts]))
+        self.link.connect(wire.endpoint(str(engine_dir), 0))
+
+    def send(self, parts: list[bytes]) -> None:
+        assert self.link.send(parts)
 
     async def reply(self) -> Any:
-        parts = await asyncio.wait_for(self.sock.recv_multipart(), 60)
+        parts = await asyncio.wait_for(self.replies.get(), 60)
         return self.wire.gateway_decoder.decode(parts[0]), parts[1:]
 
     async def hello(self) -> Any:
-        await self.sock.send(self.wire.encoder.encode(self.wire.Hello(0, os.getpid())))
+        self.send([self.wire.encoder.encode(self.wire.Hello(0, os.getpid()))])
         welcome, _ = await self.reply()
         return welcome
 
@@ -401,7 +400,7 @@ class _RawGateway:
         msg = wire.Submit([wire.Job(i, 0, len(jobs[i]), marked, "default", 1.0, 1, deadline)
                            for i, (marked, _) in packed.items()],
                           [len(frame) // 4 for _, frame in packed.values()])
-        await self.sock.send_multipart([wire.encoder.encode(msg), b"".join(f for _, f in packed.values())])
+        self.send([wire.encoder.encode(msg), b"".join(f for _, f in packed.values())])
 
     async def answers(self, ids: set[int], seen: dict[int, Any]) -> None:
         """Read replies into ``seen`` (id → rows, or the refusal) until every one of ``ids`` is there."""
@@ -413,8 +412,7 @@ class _RawGateway:
                 seen[d.id] = np.frombuffer(piece, dtype=np.float32).reshape(d.n, d.dim)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+        self.link.close()
 
 
 def _engine_alone(engine_dir: Path) -> subprocess.Popen[bytes]:
@@ -449,7 +447,7 @@ async def test_a_bulk_message_is_answered_request_by_request_and_a_cancel_in_its
             await raw.submit({100: tokens.tokenize(["holds the device"])})
             await gate.wait_entered()
             await raw.submit({i: tokens.tokenize(t) for i, t in texts.items()})
-            await raw.sock.send(raw.wire.encoder.encode(raw.wire.Cancel([5])))
+            raw.send([raw.wire.encoder.encode(raw.wire.Cancel([5]))])
             await asyncio.sleep(0.5)  # the cancel is read while every request still waits
         finally:
             gate.release()

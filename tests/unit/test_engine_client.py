@@ -13,11 +13,6 @@ from coalesce.service.errors import InferenceFailed, Overloaded
 from coalesce.service.gateway.remote import EngineClient
 
 
-class _Frame:
-    def __init__(self, data: bytes) -> None:
-        self.buffer = memoryview(data)
-
-
 async def _waiting(client: EngineClient, ids: list[int]) -> list[asyncio.Future[Any]]:
     loop = asyncio.get_running_loop()
     futures = [loop.create_future() for _ in ids]
@@ -26,14 +21,14 @@ async def _waiting(client: EngineClient, ids: list[int]) -> list[asyncio.Future[
 
 
 async def test_one_reply_answers_each_request_with_its_own_rows_and_refusals() -> None:
-    client = EngineClient("ipc:///nonexistent", 0, lambda _: None)
+    client = EngineClient("/nonexistent.sock", 0, lambda _: None)
     try:
         one, two, refused = await _waiting(client, [1, 2, 3])
         rows = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)
         full = wire.failure(Overloaded("full", retry_after=1, code="queue_full"))
         msg = wire.Results([wire.Done(2, 2, 4, 0.1, 0.2), wire.Done(1, 1, 4, 0.0, 0.0)],
                            [wire.Failed(3, full)], [])
-        client._results(msg, [_Frame(rows.tobytes())])
+        client._results(msg, [memoryview(rows.tobytes())])
         np.testing.assert_array_equal(two.result().rows, rows[:2])
         np.testing.assert_array_equal(one.result().rows, rows[2:])
         assert two.result().queue_s == 0.1
@@ -43,11 +38,11 @@ async def test_one_reply_answers_each_request_with_its_own_rows_and_refusals() -
 
 
 async def test_rows_that_do_not_match_the_reply_fail_its_requests() -> None:
-    client = EngineClient("ipc:///nonexistent", 0, lambda _: None)
+    client = EngineClient("/nonexistent.sock", 0, lambda _: None)
     try:
         (one,) = await _waiting(client, [1])
         msg = wire.Results([wire.Done(1, 2, 4, 0.0, 0.0)], [], [])
-        client._results(msg, [_Frame(np.zeros(4, dtype=np.float32).tobytes())])  # one row, not two
+        client._results(msg, [memoryview(np.zeros(4, dtype=np.float32).tobytes())])  # one row, not two
         exc = one.exception()
         assert isinstance(exc, InferenceFailed) and "cannot read" in exc.message
     finally:
