@@ -49,6 +49,7 @@ class _Protocol(asyncio.Protocol):
     def __init__(self, link: Link) -> None:
         self._link = link
         self._rest = bytearray()  # the start of a message that has not all arrived
+        self._need = 0  # bytes ``_rest`` must hold before parsing again is worth it
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -61,9 +62,12 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._rest:
             self._rest += data
+            if len(self._rest) < self._need:
+                return  # (a large message arriving in pieces is joined once, when it is all here)
             data = bytes(self._rest)
             self._rest.clear()
         view, end, at = memoryview(data), len(data), 0
+        need = 4
         while end - at >= 4:
             (count,) = _COUNT.unpack_from(data, at)
             head = 4 + 4 * count
@@ -71,6 +75,7 @@ class _Protocol(asyncio.Protocol):
                 self._broken(f"a message of {count} frames")
                 return
             if end - at < head:
+                need = head
                 break
             lengths = struct.unpack_from(f"<{count}I", data, at + 4)
             size = head + sum(lengths)
@@ -78,6 +83,7 @@ class _Protocol(asyncio.Protocol):
                 self._broken(f"a message of {size} bytes")
                 return
             if end - at < size:
+                need = size
                 break
             parts: list[memoryview] = []
             start = at + head
@@ -88,6 +94,7 @@ class _Protocol(asyncio.Protocol):
             self._link._deliver(parts)
         if at < end:
             self._rest += view[at:]
+            self._need = need
 
     def _broken(self, what: str) -> None:
         log.error("link_protocol_broken", link=self._link.name, error=what)

@@ -119,3 +119,21 @@ async def test_a_stream_that_breaks_the_framing_is_closed_as_a_peer_that_went(tm
     assert closed and downs == [True]
     writer.close()
     engine.close()
+
+
+async def test_a_large_message_arriving_in_pieces_is_delivered_once_whole(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sock")
+    inbox = _Inbox()
+    engine = Link("gateway-0", inbox)
+    await engine.listen(path)
+    rows = bytes(range(256)) * 16_384  # 4 MiB: many reads, joined once
+    stream = _wire([b"results", rows]) + _wire([b"next"])
+    _reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        for at in range(0, len(stream), 65_536):
+            writer.write(stream[at : at + 65_536])
+            await writer.drain()
+        assert await inbox.wait_for(2) == [[b"results", rows], [b"next"]]
+    finally:
+        writer.close()
+        engine.close()
