@@ -6,6 +6,9 @@ still works across gateways.
   request of the engine process and of the gateway processes, beside one process (``--workers 1``)
   and the aiohttp stub (``coalesce.loadtests.stub``) under the same load; from those, the ceiling of
   one engine and of a 16-core host.
+* What remains of the engine's cost, without HTTP or sockets (``coalesce.loadtests.engine_ops``): its
+  Python per request at 1, 4 and 16 requests a message, the device-thread hand-off per batch, and a
+  message's round trip to another process.
 * The real model, 32 closed-loop clients: ``--workers 2`` against ``--workers 1`` and against the
   in-process sentence-transformers rate at its best batch size, throughput and mean batch size (one
   queue per model in the engine: batches must not shrink as gateways are added).
@@ -14,9 +17,12 @@ still works across gateways.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 from coalesce.loadtests import procs, servers
 from coalesce.loadtests.bench_sections import (
@@ -58,6 +64,36 @@ def _all_ready(url: str, timeout: float = 120.0) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"{url}: not every process became ready")
+
+
+def _engine_ops() -> dict[str, Any]:
+    """``coalesce.loadtests.engine_ops``' figures (its own process: it runs several event loops)."""
+    out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.engine_ops", "--json"],
+                         capture_output=True, text=True, timeout=900, check=True).stdout
+    figures: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return figures
+
+
+def _remains(ops: dict[str, Any]) -> str:
+    """What the engine's CPU per request is made of, from ``engine_ops``."""
+    rows = [[f"{r['jobs']}", f"{r['batches']:.2f}", f"{r['threaded_us']:,.1f}", f"{r['inline_us']:,.1f}",
+             f"{r['hand_off_us']:,.1f}"] for r in ops["rows"]]
+    trips = ops["message_round_trip_us"]
+    assert isinstance(trips, dict)
+    messages = "; ".join(f"over {t}: {mine:,.1f} µs here and {theirs:,.1f} µs there"
+                         for t, (mine, theirs) in trips.items())
+    return (
+        "**What remains**, without HTTP or sockets (`python -m coalesce.loadtests.engine_ops`: the engine's "
+        "own path, `Submit` in and `Results` out, a message of N one-sentence requests at a time, the "
+        "forward a constant), CPU per request with the batch run on the device thread as served, and "
+        "inline on the event loop (the engine's Python alone; the difference is the hand-off to the "
+        "device thread and back):\n\n"
+        + markdown_table(["requests/message", "batches/message", "threaded µs/request", "inline µs/request",
+                          "hand-off µs/batch"], rows)
+        + f"\n\nA bare thread round trip (a call handed to a thread that answers the loop) costs "
+        f"{ops['thread_round_trip_us']:,.1f} µs of CPU here; a small message's round trip to another "
+        f"process (CPU of each side) {messages}.\n\n"
+    )
 
 
 def engine(args: argparse.Namespace) -> tuple[str, str]:
@@ -107,6 +143,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     gateway_cap = (PROJECTED_CORES - 1) * 1e6 / gateway_us
     ceiling = min(engine_cap, gateway_cap)
 
+    remains = _remains(_engine_ops())
     closed = Scenario(
         mode=Mode.CLOSED, concurrency=CLIENTS, duration=args.duration, warmup=3.0, mix=Mix.SHORT
     )
@@ -161,7 +198,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         f"tops out near **{ceiling:,.0f} small requests/s** whatever the model (before the model's own "
         "time). Small requests only: a request of many inputs costs the gateway more and the engine "
         "about the same per input.\n\n"
-        f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, "
+        + remains
+        + f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, "
         f"{args.duration:g} s after 3 s warm-up, on this machine's cores (the gateways and the engine "
         "share them with the load generator); in-process sentence-transformers at its best batch size "
         f"({best_batch}) embeds {best_rate:,.0f} sentences/s:\n\n"
