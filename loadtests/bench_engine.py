@@ -17,6 +17,7 @@ still works across gateways.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -42,6 +43,7 @@ SATURATING_CLIENTS = 16
 NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--cache-mb", "0",
         "--log-level", "warning"]
 PROJECTED_CORES = 16
+ROUNDS = 3  # interleaved rounds of each load on each server (the median is reported)
 
 
 def _cpu_by_role(pid: int) -> dict[str, float]:
@@ -110,19 +112,32 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
          Scenario(mode=Mode.CLOSED, concurrency=SATURATING_CLIENTS, duration=seconds, warmup=1.0,
                   mix=Mix.SHORT)),
     )
-    cost_rows = []
-    costs: dict[tuple[str, str], dict[str, float]] = {}
-    for load, scenario in loads:
+    # Every server stays up for the whole part and the runs interleave (ROUNDS rounds of each load on
+    # each server in turn; the round of median total CPU is reported): this machine's speed drifts by a
+    # fifth and more within minutes, which servers measured one after the other read as a difference.
+    runs: dict[tuple[str, str], list[tuple[dict[str, float], Any]]] = {}
+    with contextlib.ExitStack() as stack:
+        started = {}
         for name, flags in configs:
             spec = stub if flags is None else _spec(args, f"null {name}", [*NULL, *flags])
-            with servers.running(spec, out / "logs", args.ready_timeout) as srv:
-                if flags is not None:
-                    _all_ready(srv.base_url)
-                time.sleep(1.0)  # let start-up settle
-                before = _cpu_by_role(srv.proc.pid)
-                st = _run(srv.url, scenario, f"null {name} {load}", out)
-                after = _cpu_by_role(srv.proc.pid)
-            per = {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6 for role in after}
+            started[name] = stack.enter_context(servers.running(spec, out / "logs", args.ready_timeout))
+            if flags is not None:
+                _all_ready(started[name].base_url)
+        time.sleep(1.0)  # let start-up settle
+        for r in range(ROUNDS):
+            for load, scenario in loads:
+                for name, srv in started.items():
+                    before = _cpu_by_role(srv.proc.pid)
+                    st = _run(srv.url, scenario, f"null {name} {load} round {r + 1}", out)
+                    after = _cpu_by_role(srv.proc.pid)
+                    per = {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6
+                           for role in after}
+                    runs.setdefault((name, load), []).append((per, st))
+    cost_rows = []
+    costs: dict[tuple[str, str], dict[str, float]] = {}
+    for load, _ in loads:
+        for name, _ in configs:
+            per, st = sorted(runs[name, load], key=lambda run: sum(run[0].values()))[ROUNDS // 2]
             costs[name, load] = per
             total = sum(per.values())
             lat = st.latency
@@ -145,16 +160,24 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
 
     remains = _remains(_engine_ops())
     closed = Scenario(
-        mode=Mode.CLOSED, concurrency=CLIENTS, duration=args.duration, warmup=3.0, mix=Mix.SHORT
+        mode=Mode.CLOSED, concurrency=CLIENTS, duration=max(args.duration / ROUNDS, 5.0), warmup=3.0,
+        mix=Mix.SHORT
     )
     best_batch, best_rate = sentence_transformers_best(_sentences(closed))
-    real = {}
-    for name, flags in configs[1:]:
-        assert flags is not None
-        with servers.running(_spec(args, f"real {name}", ["--log-level", "warning", *flags]), out / "logs",
-                             args.ready_timeout) as srv:
-            _all_ready(srv.base_url)
-            real[name] = _run(srv.url, closed, f"real {name} c{CLIENTS}", out)
+    real_runs: dict[str, list[Any]] = {}
+    with contextlib.ExitStack() as stack:  # both up at once, their runs interleaved, as above
+        up = {}
+        for name, flags in configs[1:]:
+            assert flags is not None
+            up[name] = stack.enter_context(servers.running(
+                _spec(args, f"real {name}", ["--log-level", "warning", *flags]), out / "logs",
+                args.ready_timeout))
+            _all_ready(up[name].base_url)
+        for r in range(ROUNDS):
+            for name, srv in up.items():
+                st = _run(srv.url, closed, f"real {name} c{CLIENTS} round {r + 1}", out)
+                real_runs.setdefault(name, []).append(st)
+    real = {name: sorted(sts, key=lambda st: st.achieved_rps)[ROUNDS // 2] for name, sts in real_runs.items()}
     one, two = real["one process"], real["--workers 2"]
     vs_best = one.achieved_rps / best_rate if best_rate else 0.0
     throughput = two.achieved_rps / one.achieved_rps if one.achieved_rps else 0.0
@@ -184,8 +207,9 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     ]
     body = (
         "**Cost per request by process**, null model (the real service with a forward that costs "
-        f"nothing, no result cache), short single-sentence requests, {seconds:g} s per row, open loop at "
-        f"{at_rate} and closed loop at {saturated}, CPU from /proc (every thread; under `--workers 2` the "
+        f"nothing, no result cache), short single-sentence requests, open loop at {at_rate} and closed "
+        f"loop at {saturated}; every server up at once and {ROUNDS} interleaved rounds of {seconds:g} s "
+        "per row, the round of median CPU shown; CPU from /proc (every thread; under `--workers 2` the "
         "engine process and the two gateway processes, the supervisor excluded: it only waits). The stub "
         "(`coalesce.loadtests.stub`: aiohttp answering a canned 384-wide vector) is the floor for any "
         "Python gateway.\n\n"
@@ -199,8 +223,9 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         "time). Small requests only: a request of many inputs costs the gateway more and the engine "
         "about the same per input.\n\n"
         + remains
-        + f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, "
-        f"{args.duration:g} s after 3 s warm-up, on this machine's cores (the gateways and the engine "
+        + f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, both up at "
+        f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of median "
+        "throughput shown), on this machine's cores (the gateways and the engine "
         "share them with the load generator); in-process sentence-transformers at its best batch size "
         f"({best_batch}) embeds {best_rate:,.0f} sentences/s:\n\n"
         + markdown_table(["server", "throughput (req/s)", "p50 ms", "p99 ms", "mean batch", "errors"],
