@@ -1,7 +1,7 @@
 """The engine: every served model's runner, worker threads and batcher, on one device thread.
 
 In one process (``--workers 1``) the gateway calls the engine's batchers directly; under ``--workers
-N`` the engine runs in a process of its own (``engine/server.py``) and gateways reach it over ZeroMQ.
+N`` the engine runs in a process of its own (``engine/server.py``) and gateways reach it over Unix sockets.
 Either way this is the one place models are loaded, warmed and calibrated, and the one owner of their
 queues. Loading runs on the device thread, so the event loop keeps answering while weights load; a
 torch-free runner that ``coalesce serve`` started loading while it imported itself (``preload.py``) is

@@ -190,7 +190,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     app[LIFECYCLE] = life
     app[KEYS] = KeyRing.load(settings.api_keys_file) if settings.api_keys_file else None
     if settings.role == "gateway":
-        from .remote import RemoteBackend  # ZeroMQ: imported only by the processes that use it
+        from .remote import RemoteBackend  # (the engine link: imported only by the processes that use it)
 
         app[BACKEND] = RemoteBackend(settings, metrics, registry, life)
     else:

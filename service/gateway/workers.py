@@ -9,7 +9,7 @@ per model. So the replica splits in two (the design of vLLM's API servers in fro
   admission headers, responses; no torch, no weights. The kernel spreads connections over their
   listening sockets; a gateway listens only once the engine has welcomed it with the models;
 * **the engine** (``--role engine``): the models, their schedulers and cost models, the device thread.
-  Inputs from every gateway join the same queues, over ZeroMQ sockets in a private directory.
+  Inputs from every gateway join the same queues, over Unix sockets in a private directory.
 
 The supervisor (this process) starts them in their own sessions and owns their lifetime:
 
