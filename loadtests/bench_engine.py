@@ -224,8 +224,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         "about the same per input.\n\n"
         + remains
         + f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, both up at "
-        f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of median "
-        "throughput shown), on this machine's cores (the gateways and the engine "
+        f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of "
+        "median throughput shown), on this machine's cores (the gateways and the engine "
         "share them with the load generator); in-process sentence-transformers at its best batch size "
         f"({best_batch}) embeds {best_rate:,.0f} sentences/s:\n\n"
         + markdown_table(["server", "throughput (req/s)", "p50 ms", "p99 ms", "mean batch", "errors"],

@@ -155,6 +155,18 @@ async def _thread_round_trip(rounds: int) -> float:
 _HEAD, _ROWS = b"h" * 200, b"r" * 1536  # a Results head and four 384-wide float32 rows
 
 
+def _dealer(path: str, *, bind: bool) -> tuple[Any, Any]:
+    """A ZeroMQ context and a DEALER socket on ``ipc://path`` (bound, or connected), as the link's
+    previous transport set them up."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    (sock.bind if bind else sock.connect)(f"ipc://{path}")
+    return ctx, sock
+
+
 async def _echo(transport: str, path: str) -> None:
     """The far side of :func:`_message_round_trip`: send every message back until one says stop."""
     loop = asyncio.get_running_loop()
@@ -176,10 +188,7 @@ async def _echo(transport: str, path: str) -> None:
         return
     import zmq
 
-    ctx: Any = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"ipc://{path}")
+    ctx, sock = _dealer(path, bind=True)
 
     def read() -> None:
         while sock.get(zmq.EVENTS) & zmq.POLLIN:
@@ -226,10 +235,7 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
         else:
             import zmq
 
-            ctx: Any = zmq.Context()
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"ipc://{path}")
+            ctx, sock = _dealer(path, bind=False)
 
             def read() -> None:
                 while sock.get(zmq.EVENTS) & zmq.POLLIN:

@@ -26,6 +26,14 @@ class _Inbox:
         return self.messages
 
 
+async def _engine(path: str) -> tuple[Link, _Inbox]:
+    """An engine's end listening on ``path``, and what it receives."""
+    inbox = _Inbox()
+    engine = Link("gateway-0", inbox)
+    await engine.listen(path)
+    return engine, inbox
+
+
 def _wire(parts: list[bytes]) -> bytes:
     return struct.pack(f"<I{len(parts)}I", len(parts), *map(len, parts)) + b"".join(parts)
 
@@ -55,9 +63,7 @@ async def test_what_a_gateway_sends_before_the_engine_listens_arrives_in_order_o
 
 async def test_messages_cut_anywhere_by_the_stream_arrive_whole(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sock")
-    inbox = _Inbox()
-    engine = Link("gateway-0", inbox)
-    await engine.listen(path)
+    engine, inbox = await _engine(path)
     messages = [[b"a"], [b"bb", b"ccc"], [b"d" * 1000, b"", b"e"], [b"f"]]
     stream = b"".join(_wire(m) for m in messages)
     _reader, writer = await asyncio.open_unix_connection(path)
@@ -123,9 +129,7 @@ async def test_a_stream_that_breaks_the_framing_is_closed_as_a_peer_that_went(tm
 
 async def test_a_large_message_arriving_in_pieces_is_delivered_once_whole(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sock")
-    inbox = _Inbox()
-    engine = Link("gateway-0", inbox)
-    await engine.listen(path)
+    engine, inbox = await _engine(path)
     rows = bytes(range(256)) * 16_384  # 4 MiB: many reads, joined once
     stream = _wire([b"results", rows]) + _wire([b"next"])
     _reader, writer = await asyncio.open_unix_connection(path)
