@@ -44,9 +44,9 @@ disable_created_metrics()
 
 # Under --workers every write to a series first asks the kernel for this process's id (a fork would
 # need new files): prometheus_client's default identifier is os.getpid, a system call per counter
-# increment, histogram bucket and gauge set, which profiling the engine at saturation showed as a
-# twelfth of its event loop's CPU. The id is asked once here and again in a forked child, the one
-# event that changes it (``process_identifier`` is prometheus_client's own hook for this).
+# increment, histogram bucket and gauge set, a dozen per batch in the engine. The id is asked once here
+# and again in a forked child, the one event that changes it (``process_identifier`` is
+# prometheus_client's own hook for this).
 _pid = os.getpid()
 
 

@@ -7,10 +7,11 @@ integers, then the frames back to back. A send is one ``writelines`` on the loop
 with no copy when a message arrived whole in one read (a message split across reads is joined once).
 
 Why not ZeroMQ, which this link used before: every ZeroMQ message goes through an I/O thread of its own
-on each side, so each one wakes two threads besides the event loops. Between two processes on a 2-core
-virtual machine a round trip of a small message cost about 120–150 µs of CPU on each side over ZeroMQ's
-``ipc://`` and about 15 µs over a Unix socket read by uvloop — most of what the engine and the gateways
-spent per request once the model cost nothing (issue 25). The socket also tells a peer's death itself:
+on each side, so each one wakes two threads besides the event loops. On a 2-core virtual machine that
+about doubled the CPU a small message's round trip between two processes costs each side
+(``python -m coalesce.loadtests.engine_ops`` measures both), and messages were a large share of what
+the engine and the gateways spent per request once the model cost nothing. The socket also tells a
+peer's death itself:
 ``connection_lost`` fires at once when the other process goes, however it went (no polling, no
 timeout), which is what a monitor socket reported before.
 

@@ -47,10 +47,10 @@ if TYPE_CHECKING:
     from .remote import EngineClient
 
 _BULK_TEXTS = 32  # a request of more texts than this tokenises apart from the others
-# A turn's texts of at most this many characters in all are tokenised on the event loop itself: a
-# hand-off to the tokenizer thread and back costs more CPU than that (engine_ops measures the round
-# trip: tens of microseconds, against about half a microsecond a character of tokenising), and the loop
-# is held no longer than a hand-off's own wake-ups take.
+# A turn's texts of at most this many characters in all are tokenised on the event loop itself: the
+# hand-off to the tokenizer thread and back (a thread wake-up each way; engine_ops measures a bare round
+# trip) costs more CPU than tokenising a few short texts, and the loop is held about as long as those
+# wake-ups would have taken.
 INLINE_TOKENIZE_CHARS = 256
 _CHARS_PER_TOKEN = 5  # for estimates before tokenising, on the low side (English word pieces: ~4)
 TOKENIZER_THREADS = 2  # per model per gateway process: one for queries, one for bulk requests
