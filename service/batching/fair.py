@@ -228,6 +228,8 @@ class FairQueue:
         earlier all go first); each other class of its tenant its class weight's share of that; each other
         tenant its weight's share of the tenant's. So a flood of one tenant or class does not count
         against a light one, and a fresh ``high`` query counts little of a ``normal`` backlog."""
+        if not self.items:
+            return 0  # (what the lines below come to with nothing waiting; asked at every admission)
         t = self._active.get(tenant)
         own: float = tokens
         if t is not None:

@@ -198,8 +198,6 @@ class Scheduler:
         """Predicted seconds before the first input of a new one-token request of the default tenant
         would start, by priority class: what a gateway checks its requests against before tokenising."""
         queue, wait_s = self._queue, self.admission.wait_s
-        if not queue.items:
-            return [0.0, 0.0, 0.0]  # (what the lines below say of an empty queue; every message asks)
         aheads = [queue.tokens_ahead(DEFAULT_TENANT, 1.0, p, 1) for p in range(3)]
         return [wait_s(ahead, now) if ahead else 0.0 for ahead in aheads]  # nothing ahead: no backlog
 

@@ -106,12 +106,7 @@ class ServedModel:
         they are short (:data:`INLINE_TOKENIZE_CHARS`); the outcome comes back to the loop once, for the
         whole group (no future per hand-off)."""
         if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-            outcome: list[list[int]] | Exception
-            try:
-                outcome = self.tokens.tokenize(texts)
-            except Exception as exc:
-                outcome = exc
-            self._fan_out(group, outcome)
+            self._fan_out(group, self._tokenized(texts))
             return
         loop = asyncio.get_running_loop()
         try:
@@ -123,13 +118,16 @@ class ServedModel:
     def _tokenize_on_thread(self, loop: asyncio.AbstractEventLoop, group: list[_Pending],
                             texts: list[str]) -> None:
         # The tokenizer thread.
-        outcome: list[list[int]] | Exception
-        try:
-            outcome = self.tokens.tokenize(texts)
-        except Exception as exc:
-            outcome = exc
+        outcome = self._tokenized(texts)
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
             loop.call_soon_threadsafe(self._fan_out, group, outcome)
+
+    def _tokenized(self, texts: list[str]) -> list[list[int]] | Exception:
+        """``texts``' ids, or what the tokenizer raised (any thread)."""
+        try:
+            return self.tokens.tokenize(texts)
+        except Exception as exc:
+            return exc
 
     def _fan_out(self, group: list[_Pending], outcome: list[list[int]] | Exception) -> None:
         if isinstance(outcome, Exception):

@@ -44,8 +44,7 @@ class EngineClient:
     """Submit jobs to the engine and resolve their futures from its replies."""
 
     def __init__(self, endpoint: str, gateway: int, on_lost: Callable[[str], None]) -> None:
-        self._link = Link("engine", self._on_message, on_up=self._on_up, on_down=self._on_down)
-        self._connected = False
+        self._link = Link("engine", self._on_message, on_down=self._on_down)
         self._endpoint = endpoint
         self._gateway = gateway
         self._on_lost = on_lost
@@ -181,12 +180,10 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_exception(wire.error_from(failed.error))
 
-    def _on_up(self) -> None:
-        self._connected = True
-
     def _on_down(self) -> None:
-        """The engine's socket closed under this gateway: the engine is gone."""
-        if self._connected and not self._closing and self._lost is None:
+        """The engine's socket closed under this gateway (the link says so only of a connection that
+        was up): the engine is gone."""
+        if not self._closing and self._lost is None:
             self._lose("the engine process went away")
 
     def _lose(self, reason: str) -> None:
