@@ -28,10 +28,13 @@ from typing import Any
 from coalesce.loadtests import procs, servers
 from coalesce.loadtests.bench_sections import (
     CLIENTS,
+    ROUNDS,
     _met,
     _run,
     _sentences,
     _spec,
+    interleaved,
+    median_by,
     sentence_transformers_best,
 )
 from coalesce.loadtests.report import fmt, markdown_table
@@ -43,7 +46,6 @@ SATURATING_CLIENTS = 16
 NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--cache-mb", "0",
         "--log-level", "warning"]
 PROJECTED_CORES = 16
-ROUNDS = 3  # interleaved rounds of each load on each server (the median is reported)
 
 
 def _cpu_by_role(pid: int) -> dict[str, float]:
@@ -113,9 +115,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
                   mix=Mix.SHORT)),
     )
     # Every server stays up for the whole part and the runs interleave (ROUNDS rounds of each load on
-    # each server in turn; the round of median total CPU is reported): this machine's speed drifts by a
-    # fifth and more within minutes, which servers measured one after the other read as a difference.
-    runs: dict[tuple[str, str], list[tuple[dict[str, float], Any]]] = {}
+    # each server; the round of median total CPU is reported).
     with contextlib.ExitStack() as stack:
         started = {}
         for name, flags in configs:
@@ -124,20 +124,22 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
             if flags is not None:
                 _all_ready(started[name].base_url)
         time.sleep(1.0)  # let start-up settle
-        for r in range(ROUNDS):
-            for load, scenario in loads:
-                for name, srv in started.items():
-                    before = _cpu_by_role(srv.proc.pid)
-                    st = _run(srv.url, scenario, f"null {name} {load} round {r + 1}", out)
-                    after = _cpu_by_role(srv.proc.pid)
-                    per = {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6
-                           for role in after}
-                    runs.setdefault((name, load), []).append((per, st))
+        scenarios = dict(loads)
+
+        def cost(cell: tuple[str, str], r: int) -> tuple[dict[str, float], Any]:
+            name, load = cell
+            srv = started[name]
+            before = _cpu_by_role(srv.proc.pid)
+            st = _run(srv.url, scenarios[load], f"null {name} {load} round {r + 1}", out)
+            after = _cpu_by_role(srv.proc.pid)
+            return {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6 for role in after}, st
+
+        runs = interleaved([(name, load) for load, _ in loads for name in started], cost)
     cost_rows = []
     costs: dict[tuple[str, str], dict[str, float]] = {}
     for load, _ in loads:
         for name, _ in configs:
-            per, st = sorted(runs[name, load], key=lambda run: sum(run[0].values()))[ROUNDS // 2]
+            per, st = median_by(runs[name, load], lambda run: sum(run[0].values()))
             costs[name, load] = per
             total = sum(per.values())
             lat = st.latency
@@ -164,7 +166,6 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         mix=Mix.SHORT
     )
     best_batch, best_rate = sentence_transformers_best(_sentences(closed))
-    real_runs: dict[str, list[Any]] = {}
     with contextlib.ExitStack() as stack:  # both up at once, their runs interleaved, as above
         up = {}
         for name, flags in configs[1:]:
@@ -173,11 +174,10 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
                 _spec(args, f"real {name}", ["--log-level", "warning", *flags]), out / "logs",
                 args.ready_timeout))
             _all_ready(up[name].base_url)
-        for r in range(ROUNDS):
-            for name, srv in up.items():
-                st = _run(srv.url, closed, f"real {name} c{CLIENTS} round {r + 1}", out)
-                real_runs.setdefault(name, []).append(st)
-    real = {name: sorted(sts, key=lambda st: st.achieved_rps)[ROUNDS // 2] for name, sts in real_runs.items()}
+        real_runs = interleaved(
+            list(up), lambda name, r: _run(up[name].url, closed, f"real {name} c{CLIENTS} round {r + 1}", out)
+        )
+    real = {name: median_by(sts, lambda st: st.achieved_rps) for name, sts in real_runs.items()}
     one, two = real["one process"], real["--workers 2"]
     vs_best = one.achieved_rps / best_rate if best_rate else 0.0
     throughput = two.achieved_rps / one.achieved_rps if one.achieved_rps else 0.0

@@ -33,13 +33,12 @@ from typing import Any
 import numpy as np
 from coalesce.loadtests import servers
 from coalesce.loadtests.bench_features import recall_at_k
-from coalesce.loadtests.bench_sections import CLIENTS, _met, _run, _spec
+from coalesce.loadtests.bench_sections import CLIENTS, ROUNDS, _met, _run, _spec, interleaved
 from coalesce.loadtests.report import fmt, markdown_table
 from coalesce.loadtests.scenario import Mode, Scenario
 from coalesce.loadtests.workload import Mix
 
 NEIGHBOURS = 10
-ROUNDS = 3  # interleaved throughput rounds per server (the median is reported)
 CHUNK = 16  # paragraphs per /v2/embed request (long ones: a request stays well inside its deadline)
 ATTEMPTS = 8  # per request, on 429/503 (a busy machine), after Retry-After
 MIN_WORDS = 12  # shorter paragraphs are headings and code fragments
@@ -219,12 +218,11 @@ def quality(args: argparse.Namespace) -> tuple[str, str]:
             if reference is None:
                 reference = vectors.float_
             kept[label] = (compare(vectors, reference), str(_info(srv.base_url).get("model_dtype", "?")))
-        rates: dict[str, list[float]] = {label: [] for label in running}
-        for r in range(ROUNDS):
-            order = list(running.items())
-            for label, (name, srv) in order if r % 2 == 0 else reversed(order):
-                step = _run(srv.url, closed, f"{name} c{CLIENTS} round{r + 1}", out)
-                rates[label].append(float(step.achieved_rps))
+        def rate(label: str, r: int) -> float:
+            name, srv = running[label]
+            return float(_run(srv.url, closed, f"{name} c{CLIENTS} round{r + 1}", out).achieved_rps)
+
+        rates = interleaved(list(running), rate)
     for label, (score, dtype) in kept.items():
         measured[label] = (score, statistics.median(rates[label]), dtype)
     if reference is None:

@@ -8,8 +8,9 @@ import os
 import random
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 from coalesce.loadtests import selftest, servers
@@ -42,6 +43,29 @@ def _run(url: str, scenario: Scenario, label: str, out: Path) -> StepResult:
     result: RunResult = run_async(Runner(Target(url), scenario).run(label))
     write_outputs(result, out / label.replace(" ", "_"), plots=False)
     return result.steps[0]
+
+
+ROUNDS = 3  # interleaved rounds of each cell of a comparison (interleaved())
+_Cell = TypeVar("_Cell", bound=Hashable)
+_Result = TypeVar("_Result")
+
+
+def interleaved(cells: Sequence[_Cell], run: Callable[[_Cell, int], _Result],
+                rounds: int = ROUNDS) -> dict[_Cell, list[_Result]]:
+    """``run(cell, round)`` for every cell in each of ``rounds`` rounds, the order reversed every other
+    round; each cell's results in round order. This shared VM's speed drifts by a fifth and more within
+    minutes, which cells (servers, loads) measured one after the other read as a difference between
+    them; interleaved, the drift falls on every cell alike."""
+    out: dict[_Cell, list[_Result]] = {cell: [] for cell in cells}
+    for r in range(rounds):
+        for cell in cells if r % 2 == 0 else list(reversed(cells)):
+            out[cell].append(run(cell, r))
+    return out
+
+
+def median_by(results: Sequence[_Result], key: Callable[[_Result], float]) -> _Result:
+    """The result whose ``key`` is the median (the upper one of an even count)."""
+    return sorted(results, key=key)[len(results) // 2]
 
 
 def _met(ok: bool) -> str:
