@@ -25,10 +25,14 @@ async def test_every_gateway_of_workers_2_applies_the_same_limits() -> None:
         ))
         for answer, answered, _ in slow:
             assert answer.status == 408 and 0.5 <= answered < 5.0
-        reader, writer = await connect(r.port)
-        writer.write(request("GET", "/ready", headers={"X-Big": "a" * 4096}))
-        big = await read_answer(reader)
-        writer.close()
+        for _ in range(25):  # (bounded) a gateway may still count a slow connection it just closed
+            reader, writer = await connect(r.port)
+            writer.write(request("GET", "/ready", headers={"X-Big": "a" * 4096}))
+            big = await read_answer(reader)
+            writer.close()
+            if big.status != 503 or big.json()["error"]["code"] != "too_many_connections":
+                break
+            await asyncio.sleep(0.2)
         assert big.status == 431 and big.json()["error"]["code"] == "headers_too_large"
 
         # 12 connections against 2 gateways × 4: the kernel spreads them, each gateway refuses its 5th.
