@@ -44,6 +44,9 @@ class RunnerOptions:
     backend: str = "auto"  # torch, onnx, openvino, or auto (see onnx_runner.resolve_backend)
     openvino_cache_dir: str | None = None  # None: openvino_runner.default_cache_dir
     cpu_fast_forward: bool = True  # CPU embedding forwards tuned by cpu_forward
+    # --cpu-kernel-cache: shapes OpenVINO's CPU plugin keeps prepared (0: its default). oneDNN's caches
+    # under torch take the same bound from the environment, set before torch starts (service/allocator).
+    cpu_kernel_cache: int = 64
 
 
 def load_runner(
@@ -66,6 +69,7 @@ def load_runner(
     onnx = onnx_runner_for(
         path, name=name, task=task, aliases=aliases, backend=options.backend, device=options.device,
         dtype=options.dtype, openvino_cache_dir=options.openvino_cache_dir,
+        kernel_cache=options.cpu_kernel_cache,
     )
     if onnx is not None:
         return onnx

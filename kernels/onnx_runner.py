@@ -414,6 +414,7 @@ def onnx_runner_for(
     device: str,
     dtype: str = "auto",
     openvino_cache_dir: str | None = None,
+    kernel_cache: int = 0,
 ) -> OnnxRunner | None:
     """The torch-free runner when ``backend`` (``--backend``) resolves to onnx or openvino for ``path``;
     None when torch serves it. Says plainly when torch cannot: an export holds no torch weights, and an
@@ -425,7 +426,7 @@ def onnx_runner_for(
         from .openvino_runner import load_openvino_runner
 
         return load_openvino_runner(path, name=name, task=task, aliases=aliases, dtype=dtype,
-                                    cache_dir=openvino_cache_dir)
+                                    cache_dir=openvino_cache_dir, kernel_cache=kernel_cache)
     if has_exported_graph(path) and not has_torch_weights(path):
         raise ValueError(
             f"model {path!r} is an ONNX export with no torch weights: serve it with --backend onnx "

@@ -221,8 +221,10 @@ class OpenVinoRunner(OnnxRunner):
         cache_dir: Path | None,
         core: Any = None,
         guard: GuardRecord | None = None,
+        kernel_cache: int = 0,
     ) -> None:
         self._core = new_core() if core is None else core
+        self._kernel_cache = kernel_cache
         if cache_dir is not None:
             cache_dir.mkdir(parents=True, exist_ok=True)
             self._core.set_property({"CACHE_DIR": str(cache_dir)})
@@ -249,6 +251,10 @@ class OpenVinoRunner(OnnxRunner):
             # No run-time activation quantisation: it would make a row depend on its batch mates.
             "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
         }
+        if self._kernel_cache > 0:
+            # The CPU plugin keeps what it prepares per input shape (5,000 shapes by default): a server
+            # under ever-changing batch shapes grew by over a GiB. --cpu-kernel-cache bounds it.
+            config["CPU_RUNTIME_CACHE_CAPACITY"] = str(self._kernel_cache)
         return self._core.compile_model(str(self._root / GRAPH_FILE), "CPU", config)
 
     def _open_graph(self, root: Path, threads: int) -> set[str]:
@@ -355,10 +361,12 @@ def load_openvino_runner(
     cache_dir: str | None = None,
     environ: Mapping[str, str] | None = None,
     core: Any = None,
+    kernel_cache: int = 0,
 ) -> OpenVinoRunner:
     """The OpenVINO runner for the export directory ``path``. ``dtype``: ``--dtype`` (see
     :func:`choose_precision`); ``cache_dir``: ``--openvino-cache-dir`` (None: :func:`default_cache_dir`);
-    ``core``: an ``openvino.Core`` (tests pass one whose capabilities they chose)."""
+    ``core``: an ``openvino.Core`` (tests pass one whose capabilities they chose); ``kernel_cache``:
+    ``--cpu-kernel-cache``, the input shapes the CPU plugin keeps prepared (0: its default)."""
     t0 = time.perf_counter()
     root, manifest, info = read_export(path, name=name, task=task, aliases=aliases, backend="openvino")
     if core is None:
@@ -380,7 +388,7 @@ def load_openvino_runner(
     threads = intra_op_threads(os.environ if environ is None else environ)
     kind = OpenVinoRunner if info.task is Task.EMBED else OpenVinoPairRunner
     runner = kind(root, manifest, info, threads=threads, precision=precision, cache_dir=cache, core=core,
-                  guard=guard)
+                  guard=guard, kernel_cache=kernel_cache)
     int8 = " over an int8 export" if manifest.quantize == "int8" else ""
     cached = "no compiled-model cache" if cache is None else (
         f"compiled model {'read from' if runner.loaded_from_cache else 'written to'} {cache}")

@@ -6,21 +6,27 @@ One ``coalesce serve`` per allocator, in turn on loopback, each with ``--cache-m
 has its own bound; this is about what else grows): glibc's malloc untouched (``--allocator system``),
 glibc tuned as ``auto`` leaves it where jemalloc is missing (``--allocator glibc``: 2 arenas,
 ``malloc_trim`` after batches), jemalloc as ``auto`` runs it where it is installed (``--allocator
-jemalloc``), and tcmalloc preloaded (``--allocator system`` with ``LD_PRELOAD``) when installed. Each
-gets the same load: open-loop Poisson arrivals alternating half and twice the capacity measured first
-(on a server of its own), phases of 15 s, for ``--memory-minutes``, while the server's resident memory
-is sampled every second. Per allocator: resident memory when the load begins, after 60 s and at the
-end, end ÷ 60 s (target ≤ 1.10) and the last minute (target ≤ +2%), beside throughput and latency.
+jemalloc``), and tcmalloc preloaded (``--allocator system`` with ``LD_PRELOAD``) when installed, each
+with oneDNN's kernel caches at the default ``--cpu-kernel-cache 64``; then the default allocator with
+those caches at the libraries' own 1,024 entries (``--cpu-kernel-cache 0``), the behaviour before the
+knob; and, where OpenVINO is installed, an export of the model on ``--backend openvino`` with the
+default and with the CPU plugin's own 5,000 shapes. Each gets the same load: open-loop Poisson
+arrivals alternating half and twice the capacity measured first (on a torch server of its own), phases
+of 15 s, for ``--memory-minutes``, while the server's resident memory is sampled every second. Per
+server: resident memory when the load begins, after 60 s and at the end, end ÷ 60 s (target ≤ 1.10)
+and the last minute (target ≤ +2%), beside throughput and latency.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from coalesce.loadtests import servers
+from coalesce.loadtests.bench_onnx import _export
 from coalesce.loadtests.bench_sections import _met, _run, _spec
 from coalesce.loadtests.bench_soak import (
     HIGH,
@@ -48,20 +54,31 @@ class Config:
     label: str
     flags: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    export: bool = False  # serve a `coalesce export` of the default model (the torch-free backends)
 
 
 def configs() -> list[Config]:
-    """The allocators this machine can run, glibc untouched first (the baseline)."""
+    """The allocators this machine can run, glibc untouched first (the baseline), then the default
+    allocator with oneDNN's kernel caches unbounded by us."""
     from coalesce.service.allocator import find_jemalloc, library_dirs
 
     out = [Config("glibc, untouched (`--allocator system`)", ["--allocator", "system"]),
            Config("glibc, 2 arenas + trim (`--allocator glibc`)", ["--allocator", "glibc"])]
-    if find_jemalloc():
+    jemalloc = find_jemalloc()
+    if jemalloc:
         out.append(Config("jemalloc, re-exec (`--allocator jemalloc`)", ["--allocator", "jemalloc"]))
     tcmalloc = next((p for d in library_dirs() if os.path.isfile(p := os.path.join(d, TCMALLOC))), None)
     if tcmalloc:
         out.append(Config("tcmalloc, preloaded (`--allocator system`)", ["--allocator", "system"],
                           {"LD_PRELOAD": tcmalloc}))
+    default = "jemalloc" if jemalloc else "glibc"  # what --allocator auto runs here
+    out.append(Config(f"{default}, oneDNN's kernel caches at 1,024 (`--cpu-kernel-cache 0`)",
+                      ["--allocator", default, "--cpu-kernel-cache", "0"]))
+    if importlib.util.find_spec("openvino") is not None:
+        openvino = ["--allocator", default, "--backend", "openvino"]
+        out.append(Config(f"{default}, OpenVINO (`--backend openvino`, an export)", openvino, export=True))
+        out.append(Config(f"{default}, OpenVINO, its 5,000 shapes (`--cpu-kernel-cache 0`)",
+                          [*openvino, "--cpu-kernel-cache", "0"], export=True))
     return out
 
 
@@ -87,8 +104,14 @@ def memory(args: argparse.Namespace) -> tuple[str, str]:
         capacity = _run(srv.url, probe, "capacity", out).achieved_rps
     rates = (round(LOW * capacity, 1), round(HIGH * capacity, 1))
     window_s = reference_s
+    export = out / "minilm-fp32"
     for i, config in enumerate(configs()):
-        spec = _spec(args, f"memory-{i}", ["--cache-mb", "0", "--log-level", "warning", *config.flags])
+        flags = ["--cache-mb", "0", "--log-level", "warning", *config.flags]
+        if config.export:
+            if not export.is_dir():
+                _export(export, "fp32")
+            flags += ["--model", str(export), "--openvino-cache-dir", str(out / f"openvino-cache-{i}")]
+        spec = _spec(args, f"memory-{i}", flags)
         spec = servers.ServerSpec(spec.name, spec.argv, env={**spec.env, **config.env})
         with servers.running(spec, out / "logs", args.ready_timeout) as srv:
             malloc = allocator_of(srv.proc.pid)
@@ -108,7 +131,9 @@ def memory(args: argparse.Namespace) -> tuple[str, str]:
             achieved, p50, p99 = _by_rate(result.steps, rate)
             load_rows.append([config.label, fmt(rate), fmt(achieved), fmt(p50), fmt(p99)])
     body = (
-        "Each allocator in turn: `coalesce serve --cache-mb 0` with the flags shown, under open-loop "
+        "Each allocator in turn: `coalesce serve --cache-mb 0` with the flags shown (oneDNN's kernel caches "
+        "at the default `--cpu-kernel-cache 64` but in the last row, where they keep the libraries' 1,024 "
+        "entries each; OpenVINO: `--cpu-kernel-cache 0` leaves its CPU plugin 5,000 shapes), under open-loop "
         f"Poisson arrivals alternating {rates[0]:g} and {rates[1]:g} req/s ({LOW:g}× and {HIGH:g}× the "
         f"closed-loop capacity of a server of its own) every {PHASE_S:g} s for {args.memory_minutes:g} min, "
         "mix `short`, the same texts for each; resident memory of the server process sampled every second "

@@ -24,12 +24,23 @@ before any thread starts:
 skips the re-exec and tunes glibc; ``system`` leaves malloc as the process started. Every process logs
 what it runs on once, at start-up (the ``allocator`` line).
 
+The allocator is not the only thing that grows with shapes. oneDNN, which runs the CPU forward's linear
+layers and matrix products, compiles a kernel for every operation *and shape* and keeps it in two
+caches, its own primitive cache and PyTorch's (ideep's) computation cache, 1,024 entries each by
+default; with the packed CPU forward an entry holds buffers of its own too, so under varying batch
+shapes a replica grows by hundreds of MiB, and goes on creeping for as long as new shapes come.
+:func:`bound_kernel_caches` (``--cpu-kernel-cache``) caps both before the first kernel is built; the
+default of 64 entries keeps that growth to tens of MiB (BENCHMARKS.md's memory section measures it
+beside the libraries' defaults, throughput included).
+
 This module and ``reexec.py`` read and write ``os.environ``, the exceptions to "only Settings reads the
-environment": ``LD_PRELOAD`` and ``MALLOC_CONF`` are read by the dynamic loader and by jemalloc as a
-process image starts, before any Python runs, so they take effect only through the environment of an
-``exec``; the marker that keeps the re-exec to one must survive that ``exec``, which only the
-environment does; and ``reexec.early`` reads ``COALESCE_ALLOCATOR`` before the Settings exist, as they
-read it (a unit test holds the two to one name and default).
+environment": oneDNN and ideep read their caches' capacities from the environment once, when their
+first kernel is built (PyTorch has no call that sets them); ``LD_PRELOAD`` and ``MALLOC_CONF`` are read
+by the dynamic loader and by jemalloc as a process image starts, before any Python runs, so they take
+effect only through the environment of an ``exec``; the marker that keeps the re-exec to one must
+survive that ``exec``, which only the environment does; and ``reexec.early`` reads
+``COALESCE_ALLOCATOR`` before the Settings exist, as they read it (a unit test holds the two to one name
+and default).
 """
 
 from __future__ import annotations
@@ -57,8 +68,21 @@ from .reexec import (
 from .reexec import reexec as _reexec
 
 __all__ = [
-    "ARENA_MAX", "JEMALLOC_CONF", "JEMALLOC_PACKAGE", "JEMALLOC_SONAME", "REEXEC_MARKER", "TRIM_EVERY_S",
-    "Allocator", "Trimmer", "find_jemalloc", "libc_is_glibc", "library_dirs", "mapped", "prepare",
+    "ARENA_MAX",
+    "JEMALLOC_CONF",
+    "JEMALLOC_PACKAGE",
+    "JEMALLOC_SONAME",
+    "KERNEL_CACHE_VARIABLES",
+    "REEXEC_MARKER",
+    "TRIM_EVERY_S",
+    "Allocator",
+    "Trimmer",
+    "bound_kernel_caches",
+    "find_jemalloc",
+    "libc_is_glibc",
+    "library_dirs",
+    "mapped",
+    "prepare",
     "reexec_command",
 ]
 
@@ -66,6 +90,8 @@ JEMALLOC_PACKAGE = "libjemalloc2"
 ARENA_MAX = 2  # glibc's arenas when jemalloc is missing (its default is 8 per core)
 TRIM_EVERY_S = 10.0  # glibc: malloc_trim at most this often while batches run, and once after the last
 _M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
+# oneDNN's primitive cache and PyTorch's ideep computation cache: the entries each keeps (default 1,024).
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +170,17 @@ def prepare(mode: str, argv: Sequence[str]) -> Allocator:
         return Allocator("other", "untouched", note=note)
     _bound_arenas()
     return Allocator("glibc", "tuned", note=note)
+
+
+def bound_kernel_caches(entries: int) -> dict[str, str]:
+    """Cap oneDNN's compiled-kernel caches at ``entries`` each (0: leave the libraries' default), by the
+    variables they read once, at their first kernel: so call it before the model's first forward. A
+    variable already in the environment is the operator's and is kept. Returns the capacities in effect
+    that this process set or found (for the ``allocator`` log line)."""
+    if entries > 0:
+        for name in KERNEL_CACHE_VARIABLES:
+            os.environ.setdefault(name, str(entries))
+    return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES if name in os.environ}
 
 
 class Trimmer:

@@ -55,14 +55,15 @@ def _serve(argv: list[str]) -> int:
     settings = settings_mod.from_args(parser.parse_args(argv))
     # Before torch is imported and before any thread starts: may re-execute this process on jemalloc
     # (where early did not), or tunes glibc; says what runs.
-    from .allocator import prepare
+    from .allocator import bound_kernel_caches, prepare
 
     memory = prepare(settings.allocator, argv)
+    kernel_caches = bound_kernel_caches(settings.cpu_kernel_cache)  # before torch builds a kernel
     from .logs import configure, get_logger
 
     process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
     configure(settings.log_level, settings.log_format, process)
-    get_logger("coalesce.allocator").info("allocator", **memory.fields())
+    get_logger("coalesce.allocator").info("allocator", **memory.fields(), kernel_caches=kernel_caches)
     # Logging is set (the loaders log), the rest of the server not yet imported: the models start loading
     # on a thread of their own while it is (engine/preload.py).
     from .engine import preload

@@ -198,6 +198,16 @@ class Settings:
         "plain forward's (else logged and off). --no-cpu-fast-forward turns it off.",
         default=True,
     )
+    cpu_kernel_cache: int = _knob(
+        "Batch shapes the CPU libraries keep compiled kernels for: each of oneDNN's two caches under "
+        "torch (its primitive cache and PyTorch's computation cache; one entry per operation and shape, "
+        "1,024 each by default) and OpenVINO's CPU plugin (5,000 shapes by default). At their defaults "
+        "a replica under varying load grows by hundreds of MiB (OpenVINO: over a GiB) as new batch "
+        "shapes come; 64 keeps the growth to tens of MiB (BENCHMARKS.md, memory section). 0: the "
+        "libraries' defaults. ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY set in the "
+        "environment win for torch.",
+        default=64,
+    )
     cuda_graphs: bool = _knob(
         "Replay CUDA graphs captured per (batch, sequence) cell for BERT-family models, cutting kernel "
         "launch overhead at small batches; costs capture time at start-up and some GPU memory.",
@@ -652,6 +662,8 @@ def _validate(s: Settings) -> None:
         problems.append("port must be 1..65535")
     if s.allocator not in ALLOCATORS:
         problems.append("allocator must be auto, jemalloc, glibc or system")
+    if s.cpu_kernel_cache < 0:
+        problems.append("cpu_kernel_cache must be >= 0 (0: the libraries' defaults)")
     if s.log_format not in ("json", "console"):
         problems.append("log_format must be json or console")
     names = [m.name for m in s.model_specs if m.name]

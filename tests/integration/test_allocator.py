@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target
 from coalesce.loadtests.workload import Mix
-from coalesce.service.allocator import JEMALLOC_CONF, REEXEC_MARKER, find_jemalloc, mapped
+from coalesce.service.allocator import (
+    JEMALLOC_CONF,
+    KERNEL_CACHE_VARIABLES,
+    REEXEC_MARKER,
+    find_jemalloc,
+    mapped,
+)
 
 from ..conftest import REPO, free_port, metric, metrics_text, roles, wait_all_gateways, wait_ready
 
@@ -105,6 +111,8 @@ async def test_the_default_server_runs_on_jemalloc_where_installed_else_on_tuned
         assert found is None
         assert (line["allocator"], line["how"]) == ("glibc", "tuned") and "libjemalloc2" in line["note"]
     assert resident > 50 << 20  # torch and the model: tens of MiB at least
+    # oneDNN's kernel caches bounded before the model's first forward (--cpu-kernel-cache, default 64)
+    assert line["kernel_caches"] == {name: os.environ.get(name, "64") for name in KERNEL_CACHE_VARIABLES}
 
 
 async def test_every_process_of_a_replica_runs_on_it_and_reports_its_memory(replica: Any) -> None:
@@ -123,7 +131,7 @@ async def test_every_process_of_a_replica_runs_on_it_and_reports_its_memory(repl
 
 
 async def test_the_variable_turns_it_off(server: Any) -> None:
-    s = server(NULL_MODEL, env={"COALESCE_ALLOCATOR": "system"})
+    s = server([*NULL_MODEL, "--cpu-kernel-cache", "0"], env={"COALESCE_ALLOCATOR": "system"})
     await wait_ready(s.url, s.proc)
     found = mapped(maps(s.proc.pid))
     env = environ(s.proc.pid)
@@ -131,3 +139,4 @@ async def test_the_variable_turns_it_off(server: Any) -> None:
     assert found is None and REEXEC_MARKER not in env and "LD_PRELOAD" not in env
     (line,) = s.allocator_lines()
     assert (line["allocator"], line["how"]) == ("glibc", "untouched")
+    assert line["kernel_caches"] == {n: os.environ[n] for n in KERNEL_CACHE_VARIABLES if n in os.environ}

@@ -101,6 +101,39 @@ def test_the_default_cache_lives_in_the_export(exports: dict[str, Path], tmp_pat
     assert runner.cache_dir == export / "openvino_cache" and any(runner.cache_dir.iterdir())
 
 
+def test_the_cpu_plugin_keeps_the_shapes_the_kernel_cache_knob_allows(
+    exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cpu-kernel-cache (default 64) reaches the CPU plugin, whose own default (5,000 input shapes kept
+    prepared) let a server under varying batch shapes grow by over a GiB (BENCHMARKS.md, memory). The
+    compiled model does not report the property back, so the configs compiled with are recorded."""
+    compiled: list[dict[str, str]] = []
+
+    class Recording:
+        def __init__(self) -> None:
+            self._core = new_core()
+
+        def compile_model(self, model: str, device: str, config: dict[str, str]) -> Any:
+            compiled.append(config)
+            return self._core.compile_model(model, device, config)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._core, name)
+
+    new_core = openvino_runner.new_core
+    monkeypatch.setattr(openvino_runner, "new_core", Recording)
+    kept, rows = [], []
+    for options in (RunnerOptions(device="cpu", backend="openvino", dtype="float32"),
+                    RunnerOptions(device="cpu", backend="openvino", dtype="float32", cpu_kernel_cache=8),
+                    RunnerOptions(device="cpu", backend="openvino", dtype="float32", cpu_kernel_cache=0)):
+        runner = load_runner(str(exports["minilm"]), None, options)
+        kept.append(compiled[-1].get("CPU_RUNTIME_CACHE_CAPACITY"))
+        rows.append(_embed(runner, MIXED))
+    assert kept == ["64", "8", None]  # 0: the plugin's own default
+    for bounded in rows[:2]:  # the same rows whatever the plugin keeps
+        np.testing.assert_allclose(bounded, rows[2], atol=1e-6)
+
+
 # -- the precision guard -------------------------------------------------------------------------------
 def test_detected_bf16_serves_bf16_and_says_so(exports: dict[str, Path], tmp_path: Path) -> None:
     core = _Core(["FP32", "BF16", "INT8"])

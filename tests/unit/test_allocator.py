@@ -328,6 +328,65 @@ def test_the_device_thread_reports_every_batch_on_itself() -> None:
     assert len(seen) == 2 and all(name.startswith("coalesce-hook") for name in seen)
 
 
+# -- oneDNN's kernel caches ----------------------------------------------------------------------------
+KERNEL_CACHE_PROBE = """
+import sys
+from coalesce.service.allocator import bound_kernel_caches
+print(bound_kernel_caches(int(sys.argv[1])), flush=True)
+import torch
+from coalesce.kernels.cpu_forward import PackedLinear, packing_unavailable
+if packing_unavailable():
+    print("unavailable", flush=True)
+    raise SystemExit(0)
+layer = PackedLinear(torch.nn.Linear(32, 32))
+with torch.inference_mode():
+    for _ in range(3):
+        for rows in (3, 5, 7):  # three shapes, three times: two entries cannot hold them
+            layer(torch.randn(rows, 32))
+"""
+
+
+def kernel_cache_probe(entries: int, env: dict[str, str]) -> tuple[str, int, int]:
+    """Run a packed linear layer at three shapes three times in a fresh process that first bounds the
+    caches at ``entries``; oneDNN's verbose log counts kernels built (cache misses) and reused (hits)."""
+    clean = {k: v for k, v in os.environ.items() if k not in allocator.KERNEL_CACHE_VARIABLES}
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL_CACHE_PROBE, str(entries)], capture_output=True, text=True, timeout=120,
+        env={**clean, "ONEDNN_VERBOSE": "2", **env}, check=True,
+    ).stdout
+    if "unavailable" in out:
+        pytest.skip("this torch cannot pack linear weights for oneDNN")
+    return out.splitlines()[0], out.count("create:cache_miss"), out.count("create:cache_hit")
+
+
+def test_bounded_kernel_caches_build_a_kernel_again_for_shapes_they_no_longer_hold() -> None:
+    said, built, reused = kernel_cache_probe(2, {})
+    assert said == str({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "2", "LRU_CACHE_CAPACITY": "2"})
+    assert reused == 0 and built >= 9  # every shape's kernel was evicted before it came round again
+    said, built, reused = kernel_cache_probe(0, {})  # 0: the libraries' defaults (1,024 entries)
+    assert said == "{}" and reused >= 6 and built < 9  # the second and third rounds find their kernels
+
+
+def test_the_operators_own_kernel_cache_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    said, _built, reused = kernel_cache_probe(2, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"})
+    assert said == str({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "2"})
+    assert reused >= 6
+    for name in allocator.KERNEL_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")
+    assert allocator.bound_kernel_caches(64) == {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "300"
+    }
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
+def test_the_kernel_cache_knob_defaults_to_64_and_refuses_a_negative_size() -> None:
+    assert build([]).cpu_kernel_cache == 64
+    assert build(["--cpu-kernel-cache", "0"]).cpu_kernel_cache == 0
+    with pytest.raises(SystemExit):
+        build(["--cpu-kernel-cache", "-1"])
+
+
 # -- resident memory in /metrics ---------------------------------------------------------------------
 def test_one_process_reports_its_resident_memory() -> None:
     text = Metrics().render().decode()

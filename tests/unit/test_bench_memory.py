@@ -41,7 +41,7 @@ def test_the_allocator_column_comes_from_the_process_map(monkeypatch: pytest.Mon
     assert allocator_of(2**22 + 12345) == "unknown"  # no such process
 
 
-def test_the_memory_section_runs_only_when_named_and_measures_glibc_first(
+def test_the_memory_section_runs_only_when_named_and_measures_glibc_first_unbounded_kernel_caches_last(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert "memory" not in bench.parse_args([]).sections
@@ -51,10 +51,18 @@ def test_the_memory_section_runs_only_when_named_and_measures_glibc_first(
 
     monkeypatch.setattr(allocator, "find_jemalloc", lambda dirs=None: None)
     monkeypatch.setattr(bench_memory.os.path, "isfile", lambda p: False)
+    monkeypatch.setattr(bench_memory.importlib.util, "find_spec", lambda name: None)  # no OpenVINO
     flags: list[Any] = [c.flags for c in bench_memory.configs()]
-    assert flags == [["--allocator", "system"], ["--allocator", "glibc"]]
+    assert flags == [["--allocator", "system"], ["--allocator", "glibc"],
+                     ["--allocator", "glibc", "--cpu-kernel-cache", "0"]]
+    monkeypatch.setattr(bench_memory.importlib.util, "find_spec", lambda name: object())
+    openvino = [c for c in bench_memory.configs() if c.export]
+    assert [c.flags for c in openvino] == [["--allocator", "glibc", "--backend", "openvino"],
+                                           ["--allocator", "glibc", "--backend", "openvino",
+                                            "--cpu-kernel-cache", "0"]]
     monkeypatch.setattr(allocator, "find_jemalloc", lambda dirs=None: "/usr/lib/libjemalloc.so.2")
     monkeypatch.setattr(bench_memory.os.path, "isfile", lambda p: p.endswith(bench_memory.TCMALLOC))
-    configs = bench_memory.configs()
-    assert [c.flags for c in configs][2:] == [["--allocator", "jemalloc"], ["--allocator", "system"]]
+    configs = [c for c in bench_memory.configs() if not c.export]
+    assert [c.flags for c in configs][2:] == [["--allocator", "jemalloc"], ["--allocator", "system"],
+                                              ["--allocator", "jemalloc", "--cpu-kernel-cache", "0"]]
     assert configs[3].env["LD_PRELOAD"].endswith(bench_memory.TCMALLOC)
