@@ -253,7 +253,8 @@ class OpenVinoRunner(OnnxRunner):
         }
         if self._kernel_cache > 0:
             # The CPU plugin keeps what it prepares per input shape (5,000 shapes by default): a server
-            # under ever-changing batch shapes grew by over a GiB. --cpu-kernel-cache bounds it.
+            # under ever-changing batch shapes grew by most of a GiB in three minutes (BENCHMARKS.md,
+            # memory). --cpu-kernel-cache bounds it.
             config["CPU_RUNTIME_CACHE_CAPACITY"] = str(self._kernel_cache)
         return self._core.compile_model(str(self._root / GRAPH_FILE), "CPU", config)
 

@@ -59,7 +59,8 @@ class Config:
 
 def configs() -> list[Config]:
     """The allocators this machine can run, glibc untouched first (the baseline), then the default
-    allocator with oneDNN's kernel caches unbounded by us."""
+    allocator with oneDNN's kernel caches at the libraries' defaults, then OpenVINO (where installed)
+    bounded and at its plugin's default."""
     from coalesce.service.allocator import find_jemalloc, library_dirs
 
     out = [Config("glibc, untouched (`--allocator system`)", ["--allocator", "system"]),
@@ -131,8 +132,9 @@ def memory(args: argparse.Namespace) -> tuple[str, str]:
             achieved, p50, p99 = _by_rate(result.steps, rate)
             load_rows.append([config.label, fmt(rate), fmt(achieved), fmt(p50), fmt(p99)])
     body = (
-        "Each allocator in turn: `coalesce serve --cache-mb 0` with the flags shown (oneDNN's kernel caches "
-        "at the default `--cpu-kernel-cache 64` but in the last row, where they keep the libraries' 1,024 "
+        "Each server in turn: `coalesce serve --cache-mb 0` with the flags shown (oneDNN's kernel caches at "
+        "the default `--cpu-kernel-cache 64` but in the row with `--cpu-kernel-cache 0`, where they keep "
+        "the libraries' 1,024 "
         "entries each; OpenVINO: `--cpu-kernel-cache 0` leaves its CPU plugin 5,000 shapes), under open-loop "
         f"Poisson arrivals alternating {rates[0]:g} and {rates[1]:g} req/s ({LOW:g}× and {HIGH:g}× the "
         f"closed-loop capacity of a server of its own) every {PHASE_S:g} s for {args.memory_minutes:g} min, "

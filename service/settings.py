@@ -202,7 +202,7 @@ class Settings:
         "Batch shapes the CPU libraries keep compiled kernels for: each of oneDNN's two caches under "
         "torch (its primitive cache and PyTorch's computation cache; one entry per operation and shape, "
         "1,024 each by default) and OpenVINO's CPU plugin (5,000 shapes by default). At their defaults "
-        "a replica under varying load grows by hundreds of MiB (OpenVINO: over a GiB) as new batch "
+        "a replica under varying load grows by hundreds of MiB (OpenVINO: most of a GiB) as new batch "
         "shapes come; 64 keeps the growth to tens of MiB (BENCHMARKS.md, memory section). 0: the "
         "libraries' defaults. ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY set in the "
         "environment win for torch.",

@@ -105,7 +105,7 @@ def test_the_cpu_plugin_keeps_the_shapes_the_kernel_cache_knob_allows(
     exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--cpu-kernel-cache (default 64) reaches the CPU plugin, whose own default (5,000 input shapes kept
-    prepared) let a server under varying batch shapes grow by over a GiB (BENCHMARKS.md, memory). The
+    prepared) let a server under varying batch shapes grow by most of a GiB (BENCHMARKS.md, memory). The
     compiled model does not report the property back, so the configs compiled with are recorded."""
     compiled: list[dict[str, str]] = []
 
