@@ -42,3 +42,14 @@ def test_the_soak_runs_only_when_named() -> None:
     assert "soak" not in bench.parse_args([]).sections
     args = bench.parse_args(["--only", "soak", "--soak-minutes", "1"])
     assert args.sections == ["soak"] and args.soak_minutes == 1.0
+
+
+def test_the_soak_drives_its_probe_and_its_phases_with_the_lean_client() -> None:
+    """The soak's p99 runs from scheduled send times: a generator that lags adds its lag to it."""
+    from coalesce.loadtests.bench_soak import alternating, capacity_probe
+    from coalesce.loadtests.scenario import Mode
+
+    probe, phases = capacity_probe(), alternating((100.0, 400.0), 30.0, 600.0)
+    assert (probe.mode, probe.concurrency, probe.client) == (Mode.CLOSED, 64, "raw")
+    assert (phases.mode, phases.rates, phases.client) == (Mode.ALTERNATE, (100.0, 400.0), "raw")
+    assert phases.seed != probe.seed  # the result cache must not answer the soak from the probe's texts
