@@ -44,9 +44,10 @@ class RunnerOptions:
     backend: str = "auto"  # torch, onnx, openvino, or auto (see onnx_runner.resolve_backend)
     openvino_cache_dir: str | None = None  # None: openvino_runner.default_cache_dir
     cpu_fast_forward: bool = True  # CPU embedding forwards tuned by cpu_forward
-    # --cpu-kernel-cache: shapes OpenVINO's CPU plugin keeps prepared (0: its default). oneDNN's caches
-    # under torch take the same bound from the environment, set before torch starts (service/allocator).
-    cpu_kernel_cache: int = 64
+    # --cpu-kernel-cache (the serve default lives in the settings): shapes OpenVINO's CPU plugin keeps
+    # prepared, 0 = its own default. oneDNN's caches under torch take the same bound from the environment,
+    # set before torch starts (service/allocator).
+    cpu_kernel_cache: int = 0
 
 
 def load_runner(

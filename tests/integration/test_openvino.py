@@ -27,6 +27,7 @@ from coalesce.kernels.openvino_runner import (
 )
 from coalesce.kernels.protocol import PairIds
 from coalesce.service.allocator import find_jemalloc
+from coalesce.service.settings import build
 
 from ..conftest import free_port, wait_ready
 from .test_onnx import COALESCE, ENV, LONG, MIXED
@@ -123,7 +124,8 @@ def test_the_cpu_plugin_keeps_the_shapes_the_kernel_cache_knob_allows(
     new_core = openvino_runner.new_core
     monkeypatch.setattr(openvino_runner, "new_core", Recording)
     kept, rows = [], []
-    for options in (RunnerOptions(device="cpu", backend="openvino", dtype="float32"),
+    served = build([]).cpu_kernel_cache  # what `coalesce serve` passes by default
+    for options in (RunnerOptions(device="cpu", backend="openvino", dtype="float32", cpu_kernel_cache=served),
                     RunnerOptions(device="cpu", backend="openvino", dtype="float32", cpu_kernel_cache=8),
                     RunnerOptions(device="cpu", backend="openvino", dtype="float32", cpu_kernel_cache=0)):
         runner = load_runner(str(exports["minilm"]), None, options)
