@@ -46,6 +46,7 @@ and default).
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import threading
 import time
@@ -181,6 +182,25 @@ def bound_kernel_caches(entries: int) -> dict[str, str]:
         for name in KERNEL_CACHE_VARIABLES:
             os.environ.setdefault(name, str(entries))
     return {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES if name in os.environ}
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now into the collector's permanent generation (``gc.freeze``), so its
+    full collections stop walking them; call it once, when the process is ready to serve. Returns how
+    many objects were frozen.
+
+    Why: after start-up a serving process holds hundreds of thousands of long-lived objects (torch,
+    transformers, tokenizers, the app) that a full ("generation 2") collection walks every time, and
+    requests create enough cyclic garbage (futures, exceptions) that one comes every few seconds under
+    load. Each stops the event loop, and the forward's thread at its next operation, for as long as the
+    walk takes (on the 2-core machine of BENCHMARKS.md, a large share of a 500 ms latency target, seen
+    in ad-hoc ``gc.callbacks`` timings under the overload section's 2× load): a stall every few seconds,
+    which the p99 of admitted requests shows. Frozen objects are never collected; what start-up left as
+    garbage is collected first. The remedy CPython documents with ``gc.freeze`` (for servers that fork;
+    Instagram's for the same pauses)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class Trimmer:

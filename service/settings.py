@@ -276,8 +276,9 @@ class Settings:
         "a bulk request waits one share, not the whole bulk), and its own forward. The rest is answered "
         "429 overloaded with Retry-After at once, before tokenising where it can, so admitted requests "
         "keep their latency and a refusal costs little. Lower refuses more and keeps admitted latency "
-        "lower. Default: --target-latency-ms. 0 = off: no wait bound in either regime (then only "
-        "--max-queued-tokens and deadlines refuse).",
+        "lower. Default: half of --target-latency-ms (a prediction is a mean: the other half is for "
+        "the tail of forwards that run late, the response and the time before a head is read). 0 = off: "
+        "no wait bound in either regime (then only --max-queued-tokens and deadlines refuse).",
         default=None,
     )
     burst_wait_ms: float = _knob(

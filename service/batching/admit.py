@@ -265,12 +265,19 @@ class Admitter:
 
     def capacity(self) -> float:
         """Tokens per second the model serves in batches as full as the limits allow, of inputs like
-        those waiting (of 16 tokens when none waits): the regime compares arrivals with it, and refused
-        callers are paced on it."""
+        those waiting (of 16 tokens when none waits), padded as recent batches were: the regime
+        compares arrivals with it, and refused callers are paced on it.
+
+        Padded, as :meth:`wait_s` counts the queue: real batches run their inputs at the longest one's
+        length, and a rate of unpadded tokens overstated what the model serves by as much as the
+        padding. Arrivals of a sustained 2× overload then
+        looked like the model's own rate, so the regime left "standing" at every dip in them and
+        admitted a burst's worth into an overload (the ``test_overload`` regression test)."""
         queue = self._queue
-        longest = max(queue.tokens // queue.items if queue.items else 16, 1)
+        mean = max(queue.tokens / queue.items if queue.items else 16.0, 1.0)
         n = self.config.max_batch_size
-        return n * longest / max(self._cost.predict(self._padded_cost(n, longest)), 1e-9)
+        coef = self._cost.coef
+        return n * mean / max(coef.overhead_s + n * mean * self._padding * coef.per_token_s, 1e-9)
 
     @property
     def batch_limit_s(self) -> float:

@@ -274,8 +274,10 @@ class Scheduler:
             if self.admission.on and self.regime.standing:
                 # Admission keeps a standing queue to what has its first result within the bound with a
                 # batch of half of it (Admitter.batch_s): batches that long are the throughput the
-                # overload needs, and no shorter, whatever an anchor has left.
-                limit = max(limit, self.admission.batch_limit_s)
+                # overload needs — no shorter, whatever an anchor has left, and no longer, whatever it
+                # has left (a fresh query anchoring a batch as long as the whole target made every
+                # input admitted behind it wait that long, past what admission promised them).
+                limit = self.admission.batch_limit_s
             if cfg.interactive_batch_s > 0:
                 alone = self.cost.predict(self.padded_cost(1, window[0].n_tokens))
                 if window[0].bulk:  # ingestion: a short batch, so a query arriving meanwhile waits little

@@ -23,13 +23,14 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from .. import tracing
+from ..allocator import freeze_startup_heap
 from ..engine.core import RunnerFactory
 from ..logs import get_logger
 from ..settings import Settings
 from .app import create_app, drain
 from .facade import BACKEND
 from .guard import GuardedSite, handler_kwargs
-from .state import LIFECYCLE, Phase
+from .state import LIFECYCLE, Lifecycle, Phase
 
 log = get_logger("coalesce.server")
 
@@ -45,6 +46,13 @@ async def serve(settings: Settings, runner_factory: RunnerFactory | None = None)
         tracing.stop()  # the drain's last spans go out before the process does
 
 
+async def _freeze_when_ready(life: Lifecycle) -> None:
+    """Once the models are up, take what start-up built out of the collector's walks
+    (``allocator.freeze_startup_heap``)."""
+    await life.ready.wait()
+    log.info("heap_frozen", objects=freeze_startup_heap())
+
+
 async def _serve(settings: Settings, runner_factory: RunnerFactory | None) -> int:
     app = create_app(settings, runner_factory)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, **handler_kwargs(settings))
@@ -56,6 +64,7 @@ async def _serve(settings: Settings, runner_factory: RunnerFactory | None) -> in
         loop.add_signal_handler(sig, stop.set)
     stopping = asyncio.ensure_future(stop.wait())
     failing = asyncio.ensure_future(life.failed.wait())
+    freezing = asyncio.ensure_future(_freeze_when_ready(life))
     if settings.reuse_port:
         # One of several processes on the port: the kernel hands connections to any listening one,
         # so listen only once ready (a loading sibling answers nothing rather than 503).
@@ -78,9 +87,11 @@ async def _serve(settings: Settings, runner_factory: RunnerFactory | None) -> in
             # rather than sit live but never ready.
             log.error("exiting", reason="model_load_failed", error=life.error)
         stopping.cancel()
+        freezing.cancel()
         await runner.cleanup()
         return 1
     failing.cancel()
+    freezing.cancel()  # (done, once ready)
     if not listening:  # stopped while loading: nobody was ever handed a connection
         await runner.cleanup()
         log.info("stopped", before="ready")

@@ -60,11 +60,15 @@ class Server:
 
     def allocator_lines(self) -> list[dict[str, Any]]:
         """The start-up log's ``allocator`` lines (one per process)."""
+        return self.lines("allocator")
+
+    def lines(self, event: str) -> list[dict[str, Any]]:
+        """The log's JSON lines of ``event``."""
         lines = []
         for raw in self.log.read_text(errors="replace").splitlines():
-            if raw.startswith("{") and '"allocator"' in raw:
+            if raw.startswith("{") and f'"{event}"' in raw:
                 line = json.loads(raw)
-                if line.get("event") == "allocator":
+                if line.get("event") == event:
                     lines.append(line)
         return lines
 
@@ -113,6 +117,10 @@ async def test_the_default_server_runs_on_jemalloc_where_installed_else_on_tuned
     assert resident > 50 << 20  # torch and the model: tens of MiB at least
     # oneDNN's kernel caches bounded before the model's first forward (--cpu-kernel-cache, default 64)
     assert line["kernel_caches"] == {name: os.environ.get(name, "64") for name in KERNEL_CACHE_VARIABLES}
+    # Once ready, what start-up built (torch, the model: far more than 10,000 objects) is out of the
+    # collector's full walks (allocator.freeze_startup_heap), once.
+    (frozen,) = s.lines("heap_frozen")
+    assert frozen["objects"] > 10_000
 
 
 async def test_every_process_of_a_replica_runs_on_it_and_reports_its_memory(replica: Any) -> None:

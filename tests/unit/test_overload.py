@@ -12,14 +12,15 @@ from coalesce.service.batching.admit import HOLD_S
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
 from coalesce.service.batching.overload import Regime, RetryPacer
-from coalesce.service.batching.scheduler import Scheduler
+from coalesce.service.batching.scheduler import Dispatch, Scheduler
 
 from .sim import Arrival, Result, poisson, simulate
 from .test_scheduler import CAPACITY, TARGET, TOKENS, A, B, adaptive, own_flows
 
 
 def shedding(**kw: object):  # type: ignore[no-untyped-def]
-    """The server's defaults: the wait bound is the latency target, bursts up to 10 s."""
+    """The server's defaults, but for the wait bound: the latency target itself, where the server's is
+    half of it (the simulated runner has no tail for the other half to cover); bursts up to 10 s."""
     base: dict[str, object] = {"max_queue_wait_s": TARGET, "burst_wait_s": 10.0,
                                "queue_target_s": TARGET / 4, "queue_interval_s": 0.5}
     base.update(kw)
@@ -57,6 +58,21 @@ def test_sustained_overload_sheds_the_excess_and_the_admitted_keep_their_latency
     assert regime_at(res, 10.0) and not regime_at(res, res.end)  # it knows it stands, until it drains
 
 
+def test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves() -> None:
+    # Inputs of 4 to 28 tokens: batches run at their longest input's length, so the model serves fewer
+    # inputs a second than the 298 of 16-token inputs (about 210 here, batching similar lengths
+    # together). 1.6× the rate of batches padded to 28 tokens arrives: about 1.3× what is served, but
+    # below the unpadded rate that the regime once compared arrivals with, so the queue took seconds to
+    # "stand", admitting up to --burst-wait-ms meanwhile, and left it at dips in arrivals (p99 0.67 s).
+    padded_capacity = 64 / (A + B * 64 * 28)
+    arrivals = own_flows(poisson(1.6 * padded_capacity, 20.0, random.Random(5),
+                                 tokens=lambda rng: rng.randint(4, 28)))
+    res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
+    assert all(regime_at(res, t) for t in (3.0, 5.0, 10.0, 15.0))  # it knows it stands, early
+    assert res.pct(0.99) <= TARGET * 1.05
+    assert refused(res) >= 0.15 * len(arrivals)  # the excess is refused, not queued
+
+
 @pytest.mark.parametrize("slowdown", [2.0, 3.0])
 def test_overload_on_a_machine_slower_than_its_warm_up_sheds_at_the_door_not_late(slowdown: float) -> None:
     # Other programs take the cores after warm-up: every forward runs two or three times what the cost
@@ -80,6 +96,23 @@ def _standing_scheduler() -> Scheduler:
     sched.regime.standing, sched.regime.capacity = True, 0.0  # an overload that goes on
     sched.add([Entry(TOKENS, 1.0)])  # and a queue that has not emptied
     return sched
+
+
+def test_a_standing_queue_runs_batches_no_longer_than_admission_counted_on() -> None:
+    # Admission promises a first result within the wait bound, with a batch of half of it ahead
+    # (Admitter.batch_s). A fresh input anchoring the next batch has the whole latency target left; a
+    # batch sized to that target ran 64 inputs of 32 tokens (0.42 s) while everyone admitted behind it
+    # had been promised 0.25 s.
+    sched = Scheduler(shedding(), CostModel(), lambda n, m: n * m)
+    for n in (1, 8, 64):  # as warm-up measures it
+        sched.cost.observe(n * TOKENS, A + B * n * TOKENS)
+    sched.regime.standing, sched.regime.capacity = True, 0.0  # an overload that goes on
+    for i in range(200):  # one-text requests
+        sched.add([Entry(32, 1.0, flow=i)])
+    step = sched.next(1.0)
+    assert isinstance(step.decision, Dispatch)
+    assert step.decision.predicted_s <= sched.admission.batch_limit_s == TARGET / 2
+    assert len(step.decision.batch) > 16  # still a batch: the overload needs the throughput
 
 
 def _passes(sched: Scheduler, now: float, priority: int = 1, hold: bool = True) -> bool:
