@@ -238,7 +238,7 @@ async def _serve_engine(settings: Settings, factory: RunnerFactory | None) -> in
         metrics.ready.set(1)
         metrics.startup_seconds.labels("engine_ready").set(time.monotonic() - started)
         log.info("engine_ready", models=[o.info.name for o in offers], gateways=len(links))
-        log.info("heap_frozen", objects=freeze_startup_heap())  # (see allocator.freeze_startup_heap)
+        log.info("heap_frozen", **freeze_startup_heap())  # (see allocator.freeze_startup_heap)
         await stopping
         metrics.ready.set(0)
         finished = await engine.drain(settings.drain_timeout_s)

@@ -50,7 +50,7 @@ async def _freeze_when_ready(life: Lifecycle) -> None:
     """Once the models are up, take what start-up built out of the collector's walks
     (``allocator.freeze_startup_heap``)."""
     await life.ready.wait()
-    log.info("heap_frozen", objects=freeze_startup_heap())
+    log.info("heap_frozen", **freeze_startup_heap())
 
 
 async def _serve(settings: Settings, runner_factory: RunnerFactory | None) -> int:
