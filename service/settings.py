@@ -276,9 +276,11 @@ class Settings:
         "a bulk request waits one share, not the whole bulk), and its own forward. The rest is answered "
         "429 overloaded with Retry-After at once, before tokenising where it can, so admitted requests "
         "keep their latency and a refusal costs little. Lower refuses more and keeps admitted latency "
-        "lower. Default: half of --target-latency-ms (a prediction is a mean: the other half is for "
-        "the tail of forwards that run late, the response and the time before a head is read). 0 = off: "
-        "no wait bound in either regime (then only --max-queued-tokens and deadlines refuse).",
+        "lower (half the target kept the admitted p99 well within it at twice capacity in "
+        "BENCHMARKS.md's overload runs, but a burst's callers, paced back by Retry-After into a queue "
+        "that stood, then met a bound with little slack and some failed after their retries). "
+        "Default: --target-latency-ms. 0 = off: no wait bound in either regime (then only "
+        "--max-queued-tokens and deadlines refuse).",
         default=None,
     )
     burst_wait_ms: float = _knob(

@@ -168,8 +168,8 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
     """The batching knobs of ``settings`` for one model (whose longest input is ``max_tokens``)."""
     strategy = settings.batching
     queue_wait_ms = settings.max_queue_wait_ms
-    if queue_wait_ms is None:  # half the target: the other half is the tail's (see the knob's help)
-        queue_wait_ms = settings.target_latency_ms / 2
+    if queue_wait_ms is None:
+        queue_wait_ms = settings.target_latency_ms
     wait_ms = (
         settings.max_wait_ms if settings.max_wait_ms is not None else (5.0 if strategy == "fixed" else 0.0)
     )

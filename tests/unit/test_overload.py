@@ -19,8 +19,7 @@ from .test_scheduler import CAPACITY, TARGET, TOKENS, A, B, adaptive, own_flows
 
 
 def shedding(**kw: object):  # type: ignore[no-untyped-def]
-    """The server's defaults, but for the wait bound: the latency target itself, where the server's is
-    half of it (the simulated runner has no tail for the other half to cover); bursts up to 10 s."""
+    """The server's defaults: the wait bound is the latency target, bursts up to 10 s."""
     base: dict[str, object] = {"max_queue_wait_s": TARGET, "burst_wait_s": 10.0,
                                "queue_target_s": TARGET / 4, "queue_interval_s": 0.5}
     base.update(kw)
