@@ -189,15 +189,14 @@ def freeze_startup_heap() -> dict[str, float]:
     full collections stop walking them; call it once, when the process is ready to serve. Returns how
     many objects were frozen and the milliseconds it took (one collection first), for the log line.
 
-    Why: after start-up a serving process holds hundreds of thousands of long-lived objects (torch,
-    transformers, tokenizers, the app) that a full ("generation 2") collection walks every time, and
-    requests create enough cyclic garbage (futures, exceptions) that one comes every few seconds under
-    load. Each stops the event loop, and the forward's thread at its next operation, for as long as the
-    walk takes (on the 2-core machine of BENCHMARKS.md, a large share of a 500 ms latency target, seen
-    in ad-hoc ``gc.callbacks`` timings under the overload section's 2× load): a stall every few seconds,
-    which the p99 of admitted requests shows. Frozen objects are never collected; what start-up left as
-    garbage is collected first. The remedy CPython documents with ``gc.freeze`` (for servers that fork;
-    Instagram's for the same pauses)."""
+    Why: after start-up a serving process holds long-lived objects by the hundred thousand (torch,
+    transformers, tokenizers, the app: about 190,000 with the packaged model, says the ``heap_frozen``
+    line) that a full ("generation 2") collection walks every time, and requests create enough cyclic
+    garbage (futures, exceptions) that one comes every few seconds under load. Each stops the event
+    loop, and the forward's thread at its next operation, for about as long as the collection here
+    takes at start-up (its ``ms``): a stall every few seconds that the p99 of admitted requests shows.
+    Frozen objects are never collected; what start-up left as garbage is collected first. The remedy
+    CPython documents with ``gc.freeze`` (for servers that fork; Instagram's for the same pauses)."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

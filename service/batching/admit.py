@@ -270,9 +270,9 @@ class Admitter:
 
         Padded, as :meth:`wait_s` counts the queue: real batches run their inputs at the longest one's
         length, and a rate of unpadded tokens overstated what the model serves by as much as the
-        padding. Arrivals of a sustained 2× overload then
-        looked like the model's own rate, so the regime left "standing" at every dip in them and
-        admitted a burst's worth into an overload (the ``test_overload`` regression test)."""
+        padding, so an overload's arrivals looked like the model's own rate: the queue was slow to
+        "stand" and quick to leave it, admitting a burst's worth into an overload meanwhile
+        (``test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves``)."""
         queue = self._queue
         mean = max(queue.tokens / queue.items if queue.items else 16.0, 1.0)
         n = self.config.max_batch_size
