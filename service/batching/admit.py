@@ -276,8 +276,7 @@ class Admitter:
         queue = self._queue
         mean = max(queue.tokens / queue.items if queue.items else 16.0, 1.0)
         n = self.config.max_batch_size
-        coef = self._cost.coef
-        return n * mean / max(coef.overhead_s + n * mean * self._padding * coef.per_token_s, 1e-9)
+        return n * mean / max(self._padded_s(1, n * mean), 1e-9)
 
     @property
     def batch_limit_s(self) -> float:
@@ -323,7 +322,12 @@ class Admitter:
         if self.regime.standing and inputs:
             per_input = coef.per_token_s * self._padding * tokens / inputs
             size = max(1, min(size, int((self.batch_limit_s - coef.overhead_s) / max(per_input, 1e-9))))
-        return math.ceil(inputs / size) * coef.overhead_s + tokens * self._padding * coef.per_token_s
+        return self._padded_s(math.ceil(inputs / size), tokens)
+
+    def _padded_s(self, batches: int, tokens: float) -> float:
+        """Seconds of ``batches`` forwards over ``tokens`` real tokens, padded as recent batches were."""
+        coef = self._cost.coef
+        return batches * coef.overhead_s + tokens * self._padding * coef.per_token_s
 
 
 def judge_wait(

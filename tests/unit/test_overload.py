@@ -102,10 +102,7 @@ def test_a_standing_queue_runs_batches_no_longer_than_admission_counted_on() -> 
     # (Admitter.batch_s). A fresh input anchoring the next batch has the whole latency target left; a
     # batch sized to that target ran 64 inputs of 32 tokens (0.42 s) while everyone admitted behind it
     # had been promised 0.25 s.
-    sched = Scheduler(shedding(), CostModel(), lambda n, m: n * m)
-    for n in (1, 8, 64):  # as warm-up measures it
-        sched.cost.observe(n * TOKENS, A + B * n * TOKENS)
-    sched.regime.standing, sched.regime.capacity = True, 0.0  # an overload that goes on
+    sched = _standing_scheduler()
     for i in range(200):  # one-text requests
         sched.add([Entry(32, 1.0, flow=i)])
     step = sched.next(1.0)
