@@ -19,6 +19,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of ``pid``'s main thread alone (a server's event loop; its other
+    threads run forwards, tokenisers and the allocator's)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _parents() -> dict[int, tuple[int, str]]:
     """Every live process's parent and state."""
     out: dict[int, tuple[int, str]] = {}
