@@ -77,7 +77,6 @@ class ModelSeries:
     queue_depth: Gauge
     queued_tokens: Gauge
     queue_standing: Gauge
-    admission_margin: Gauge
     queue_wait: tuple[Histogram, ...]  # indexed by priority class: high, normal, low
     cost_overhead: Gauge
     cost_per_token: Gauge
@@ -146,13 +145,6 @@ class Metrics:
             "1 while the queue stands (its oldest input older than the queue target for a whole interval: "
             "only what finishes within the latency target is admitted), 0 while it keeps emptying (bursts "
             "admitted).",
-            ["model"], multiprocess_mode="livemax", registry=r
-        )
-        self.admission_margin = Gauge(
-            "coalesce_admission_margin_seconds",
-            "Seconds taken off the wait bound (--max-queue-wait-ms) that a standing queue admits by, because "
-            "measured first results of admitted requests came later than predicted (0 while predictions "
-            "hold; at most a quarter of the bound).",
             ["model"], multiprocess_mode="livemax", registry=r
         )
         self.inflight = Gauge(

@@ -22,16 +22,6 @@ checks of its class and the more urgent ones' (never of a more urgent request's,
 flood does not refuse a ``high`` query) until :meth:`Admitter.admit` takes its tokens back, or for
 :data:`HOLD_S` at most (a request that fails before admission is not waited for).
 
-**The tail, measured.** Predictions are not the latency: an anchor whose forward alone still fits
-starts with a batch behind it (:meth:`Admitter.late`), batches run late on a busy CPU, the wait
-before admission is partly unseen. So under a standing queue the first results of admitted requests
-are measured as their batches finish (:meth:`Admitter.finished`), and the wait bound is tightened by a
-``margin`` (at most a quarter of it) while more than 1% of them come later than :data:`TAIL_SETPOINT`
-of ``max_queue_wait_s``, and relaxed while fewer do: feedback on the quantile the caller is promised,
-as CoDel's control law acts on the sojourn it measures rather than on a model. Only requests that
-arrived while the queue stood count (a burst's waits are ``burst_wait_s``'s). A gateway's early check
-under ``--workers`` applies the margin the engine last reported.
-
 The predicted wait is fair-queue aware (:meth:`.fair.FairQueue.tokens_ahead`): a flood of one tenant
 or of ``low`` requests does not count against a ``high`` query or another tenant's, so a refused flood
 does not refuse them. Refusals carry a Retry-After from :class:`.overload.RetryPacer`, so callers that
@@ -57,18 +47,6 @@ from .policy import PaddedCost
 # docstring): longer than a tokenising turn takes under load; what a failed request leaves behind
 # counts no longer than this.
 HOLD_S = 0.5
-# The tail feedback (see the module's docstring). Each first result measured under a standing queue
-# moves the margin: up by TAIL_STEP of the bound (times 0.99) if it came later than TAIL_SETPOINT of
-# the bound, down by TAIL_STEP (times 0.01) if not, so the margin settles where 1% come later — the
-# p99, over every request since the queue first stood rather than a window's (Robbins-Monro quantile
-# tracking). The setpoint leaves the answer's write and the wait before the head was read (a few
-# milliseconds) within the bound. One late result adds 0.4% of the bound (2 ms at 500 ms); a hundred in
-# time take it back: a stall's worth of late results tightens admission within the stall, and it
-# relaxes over seconds. Never more than TAIL_MARGIN_MAX of the bound: a standing queue admits some wait.
-TAIL_SETPOINT = 0.95
-TAIL_QUANTILE = 0.99
-TAIL_STEP = 0.004
-TAIL_MARGIN_MAX = 0.25
 
 Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
 
@@ -100,7 +78,6 @@ class Admitter:
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer()
-        self.margin_s = 0.0  # taken off max_queue_wait_s under a standing queue (the tail feedback)
 
     @property
     def on(self) -> bool:
@@ -236,8 +213,7 @@ class Admitter:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
         wait = self.wait_s(ahead, now)
-        verdict = judge_wait(self.regime.observe(now), elapsed, wait, self.batch_s(first), cfg,
-                             self.margin_s)
+        verdict = judge_wait(self.regime.observe(now), elapsed, wait, self.batch_s(first), cfg)
         if verdict is None:
             return None
         reason, allowed, what = verdict
@@ -252,28 +228,6 @@ class Admitter:
         if self.regime.standing:
             wait = min(wait, self.config.max_queue_wait_s)
         return wait - allowed / 2
-
-    @property
-    def bound_s(self) -> float:
-        """The wait bound a standing queue admits and drops by: ``max_queue_wait_s`` less the margin
-        the measured tail asks for."""
-        return self.config.max_queue_wait_s - self.margin_s
-
-    def finished(self, arrivals: Iterable[float], now: float) -> None:
-        """A batch finished at ``now`` with the first results of requests whose heads arrived at
-        ``arrivals``: those admitted under the standing queue move the margin (the module's
-        docstring); a burst's waits, or a request admitted before the queue stood, are not what the
-        bound promised."""
-        regime = self.regime
-        if not self.on or not regime.standing:
-            return
-        bound = self.config.max_queue_wait_s
-        late_at, step, since = now - TAIL_SETPOINT * bound, TAIL_STEP * bound, regime.since
-        margin = self.margin_s
-        for arrival in arrivals:
-            if arrival >= since:
-                margin += step * ((arrival < late_at) - (1 - TAIL_QUANTILE))
-        self.margin_s = min(max(margin, 0.0), TAIL_MARGIN_MAX * bound)
 
     def late(self, waiting: Sequence[Entry], start: float, now: float) -> list[Entry]:
         """Of ``waiting`` (in fair order), the first inputs of requests (``lead``) that the current
@@ -295,11 +249,10 @@ class Admitter:
             return [e for e in waiting if e.lead and start - e.arrival > cfg.burst_wait_s]
         anchor = waiting[0]
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
-        bound = self.bound_s
-        limit = bound - self.batch_s(0)
+        limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
         late = [e for e in waiting[1:] if e.lead and e.priority == lowest and start - e.arrival > limit]
-        anchor_late = start - anchor.arrival > bound - alone
+        anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
         if anchor.lead and anchor.priority == lowest and anchor_late:
             late.insert(0, anchor)
         return late
@@ -378,23 +331,21 @@ class Admitter:
 
 
 def judge_wait(
-    standing: bool, elapsed: float, wait: float, own: float, cfg: AdmissionConfig, margin: float = 0.0
+    standing: bool, elapsed: float, wait: float, own: float, cfg: AdmissionConfig
 ) -> tuple[Reason, float, str] | None:
     """None if a request that has waited ``elapsed`` s since its head arrived, whose first input would
     wait ``wait`` s more and then run ``own`` s, is admitted by the regime; else (reason, the wait its
-    regime admits, why). Under a standing queue every second counts against ``max_queue_wait_s`` less
-    ``margin`` (:attr:`Admitter.bound_s`); into
+    regime admits, why). Under a standing queue every second counts against ``max_queue_wait_s``; into
     a queue that keeps emptying, the queue's own wait is what ``burst_wait_s`` bounds (the time a
     request spent before admission counts against its deadline, which admission checks too). The one
     rule, for the engine's admission and a gateway's check on the engine's last report alike."""
     if standing:
-        bound = cfg.max_queue_wait_s - margin
-        allowed = bound - own
+        allowed = cfg.max_queue_wait_s - own
         if elapsed + wait <= allowed:
             return None
         return "overloaded", allowed, (
             f"The queue stands: this request would have its first result about "
-            f"{elapsed + wait + own:.3f} s after it arrived (bound {bound:.3f} s)")
+            f"{elapsed + wait + own:.3f} s after it arrived (bound {cfg.max_queue_wait_s:.3f} s)")
     # A burst: the queue is what is bounded (the time already spent counts against the deadline).
     if wait <= cfg.burst_wait_s:
         return None

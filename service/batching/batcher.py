@@ -253,7 +253,7 @@ class Batcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._tenant_series: dict[str, int] = {}  # coalesce_tenant_queued_tokens as last set, by tenant
-        self._queue_shown: tuple[int, int, bool, float] | None = None  # what the queue gauges last said
+        self._queue_shown: tuple[int, int, bool] | None = None  # what the queue gauges last said
         self._coef_shown: object = None  # the cost coefficients the gauges last said
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -506,14 +506,12 @@ class Batcher:
 
     def _gauges(self) -> None:
         sched = self.scheduler
-        # (The margin moves a little with every batch under an overload: shown to the millisecond.)
-        queue = (sched.queued_items, sched.queued_tokens, sched.standing, round(sched.admission.margin_s, 3))
+        queue = (sched.queued_items, sched.queued_tokens, sched.standing)
         if queue != self._queue_shown:  # a gauge write is a locked file write under --workers
             self._queue_shown = queue
             self._series.queue_depth.set(queue[0])
             self._series.queued_tokens.set(queue[1])
             self._series.queue_standing.set(queue[2])
-            self._series.admission_margin.set(queue[3])
         # Only tenants with work waiting are exported: tenant names come from clients. Under --workers
         # the shared series can never be removed, so none is exported there.
         if self._metrics.multiprocess_dir is not None:
@@ -587,7 +585,7 @@ class Batcher:
                 if seconds is not None:
                     span.set_attribute("coalesce.forward_ms", round(seconds * 1e3, 3))
                 span.end()
-            self.scheduler.done(padded, seconds, time.monotonic(), batch)
+            self.scheduler.done(padded, seconds, time.monotonic())
             coef = self.scheduler.cost.coef
             if coef is not self._coef_shown:  # refitted (every few batches)
                 self._coef_shown = coef

@@ -59,7 +59,6 @@ class Regime:
         self.target_s = target_s
         self.interval_s = interval_s
         self.standing = False
-        self.since = -math.inf  # when it last began to stand
         self._above_since: float | None = None  # when the oldest waiting input was first seen too old
         self._ended = -math.inf  # when it last stopped standing
         # Tokens asked for (admitted or refused) in the last ARRIVAL_WINDOW_S: a queue stands only while
@@ -119,8 +118,6 @@ class Regime:
             # Arrivals have fallen below what the model serves: what stands is a burst draining.
             self.standing = False
             self._ended = now
-        if self.standing and not was:
-            self.since = now
         return self.standing
 
 

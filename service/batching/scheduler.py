@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -330,14 +330,11 @@ class Scheduler:
                 return [e, *window[:i], *window[i + 1 :]], True
         return window, False
 
-    def done(self, padded_tokens: int, seconds: float | None, now: float,
-             batch: Sequence[Entry] = ()) -> None:
-        """A dispatched batch finished (``seconds`` None if it failed); ``batch``, its entries, gives
-        admission the first results it measures the tail by (:meth:`Admitter.finished`)."""
+    def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
+        """A dispatched batch finished (``seconds`` None if it failed)."""
         self.inflight -= 1
         if seconds is not None:
             self.cost.observe(padded_tokens, seconds)
-            self.admission.finished([e.arrival for e in batch if e.lead], now)
         if self.inflight == 0:
             self.busy_until = now
 

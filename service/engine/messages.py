@@ -124,7 +124,6 @@ class Queue(msgspec.Struct, frozen=True, array_like=True):
     overhead_s: float = 0.0  # the cost model: a forward is overhead_s + per_token_s × padded tokens
     per_token_s: float = 0.0
     capacity: float = 0.0  # tokens per second the model serves (Admitter.capacity): refusals are paced on it
-    margin_s: float = 0.0  # taken off the wait bound under a standing queue (Admitter.margin_s)
 
 
 class Results(msgspec.Struct, frozen=True, tag=True):

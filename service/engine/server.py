@@ -262,7 +262,7 @@ def _link(raw: bytes) -> bytes | None:
 def _queue(sched: Scheduler, now: float) -> wire.Queue:
     coef = sched.cost.coef
     return wire.Queue(sched.queued_tokens, sched.drain_s(now), sched.standing, sched.waits(now),
-                      coef.overhead_s, coef.per_token_s, sched.regime.capacity, sched.admission.margin_s)
+                      coef.overhead_s, coef.per_token_s, sched.regime.capacity)
 
 
 def _offer(model: EngineModel, settings: Settings) -> wire.ModelOffer:

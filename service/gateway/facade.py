@@ -336,7 +336,7 @@ class RemoteModel(ServedModel):
         if wait <= 0:
             return
         own = queue.overhead_s + queue.per_token_s * first
-        verdict = judge_wait(queue.standing, max(0.0, now - adm.arrived), wait, own, cfg, queue.margin_s)
+        verdict = judge_wait(queue.standing, max(0.0, now - adm.arrived), wait, own, cfg)
         if verdict is not None:
             reason, allowed, what = verdict
             # Each gateway paces its own refusals: one in N of the returning callers is its own.

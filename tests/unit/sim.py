@@ -151,7 +151,7 @@ def simulate(
             res.max_queued_tokens = max(res.max_queued_tokens, sched.queued_tokens)
         elif kind == "done":
             batch, padded, seconds = data  # type: ignore[misc]
-            sched.done(padded, seconds, now, batch)
+            sched.done(padded, seconds, now)
             res.batches.append(Batch(now - seconds * stall, now, batch))
             for e in batch:
                 res.finished[e.flow] = now

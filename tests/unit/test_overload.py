@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from coalesce.service.batching import admit
 from coalesce.service.batching.admit import HOLD_S
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
@@ -53,7 +52,7 @@ def test_sustained_overload_sheds_the_excess_and_the_admitted_keep_their_latency
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
     share = refused(res) / len(arrivals)
     assert share == pytest.approx(1 - 1 / load, abs=0.06)  # about half at 2×, three quarters at 4×
-    assert res.pct(0.99) <= TARGET  # (2% over it, from the runner's ±5% noise, before the tail feedback)
+    assert res.pct(0.99) <= TARGET * 1.02  # 2% for the simulated runner's ±5% noise
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # goodput: the model stays busy
     assert regime_at(res, 10.0) and not regime_at(res, res.end)  # it knows it stands, until it drains
 
@@ -69,7 +68,7 @@ def test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves
                                  tokens=lambda rng: rng.randint(4, 28)))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
     assert all(regime_at(res, t) for t in (3.0, 5.0, 10.0, 15.0))  # it knows it stands, early
-    assert res.pct(0.99) <= TARGET  # (1.021× before the tail feedback)
+    assert res.pct(0.99) <= TARGET * 1.05
     assert refused(res) >= 0.15 * len(arrivals)  # the excess is refused, not queued
 
 
@@ -80,61 +79,13 @@ def test_overload_on_a_machine_slower_than_its_warm_up_sheds_at_the_door_not_lat
     # forwards run now, the admitted keep about their latency and the model its goodput, and most of
     # the excess is refused at the door rather than admitted, decoded, tokenised and dropped late. (A
     # cost model that trusted its window fails all three: its p99 went far past the target, and late
-    # drops were most of its refusals.) The tail feedback took the p99 from 1.07× and 1.08× the target
-    # to 1.00× and 1.03×, for under half a percent of goodput (0.902× → 0.899× at 3×).
+    # drops were most of its refusals.)
     capacity = CAPACITY / slowdown
     arrivals = own_flows(poisson(2.0 * capacity, 20.0, random.Random(3), tokens=TOKENS))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0, slowdown=slowdown)
-    assert res.pct(0.99) <= TARGET * 1.05
-    assert res.throughput((2.0, res.end)) >= 0.89 * capacity
+    assert res.pct(0.99) <= TARGET * 1.15
+    assert res.throughput((2.0, res.end)) >= 0.9 * capacity
     assert res.late <= 0.2 * refused(res), (res.late, dict(res.refused))
-
-
-@pytest.mark.parametrize("feedback", [True, False])
-def test_overload_where_time_between_forwards_goes_unseen_keeps_the_p99_by_measuring_it(
-        feedback: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A busy machine: each batch holds the model 1.3× its forward (tokenising, answering, refusing
-    # callers between forwards), and the cost model, told the forwards' times only, predicts waits a
-    # quarter short. 2× the rate it then serves arrives. Measuring the admitted requests' first results
-    # tightens the bound until their p99 is within the target (0.91×); predictions alone let it run to
-    # 1.28×. The goodput stays.
-    if not feedback:
-        monkeypatch.setattr(admit, "TAIL_STEP", 0.0)
-    capacity = CAPACITY / 1.3
-    arrivals = own_flows(poisson(2.0 * capacity, 20.0, random.Random(3), tokens=TOKENS))
-    res = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=1.3)
-    if feedback:
-        assert res.pct(0.99) <= TARGET
-    else:
-        assert res.pct(0.99) > 1.2 * TARGET
-    assert res.throughput((2.0, res.end)) >= 0.95 * capacity
-
-
-def test_the_margin_follows_the_measured_first_results() -> None:
-    # Admission's margin rises while first results of requests admitted under the standing queue come
-    # later than the setpoint, refuses what the full bound would admit, and falls back to nothing once
-    # they come in time; results of a burst admitted before the queue stood, or finishing while it does
-    # not stand, do not move it.
-    bound = TARGET
-    sched = _standing_scheduler()
-    adm = sched.admission
-    adm.regime.since = 1.0
-    adm.finished([0.0] * 100, 2.0)  # admitted before the queue stood, waited 2 s: a burst's
-    assert adm.margin_s == 0.0
-    adm.finished([1.5] * 20, 2.0)  # 0.5 s: later than 95% of the bound, every one
-    assert adm.margin_s == pytest.approx(20 * 0.99 * admit.TAIL_STEP * bound)
-    adm.finished([1.5] * 400, 2.0)
-    assert adm.margin_s == admit.TAIL_MARGIN_MAX * bound == adm.config.max_queue_wait_s - adm.bound_s
-    # A request predicted to have its first result at 0.9 of the bound: admitted by the bound, not now.
-    wait = 0.9 * bound - adm.batch_s(TOKENS)
-    assert admit.judge_wait(True, 0.0, wait, adm.batch_s(TOKENS), adm.config) is None
-    assert admit.judge_wait(True, 0.0, wait, adm.batch_s(TOKENS), adm.config, adm.margin_s) is not None
-    adm.regime.standing = False
-    adm.finished([1.5] * 100, 2.0)
-    assert adm.margin_s == admit.TAIL_MARGIN_MAX * bound
-    adm.regime.standing = True
-    adm.finished([1.9] * 20_000, 2.0)  # 0.1 s: in time
-    assert adm.margin_s == 0.0
 
 
 def _standing_scheduler() -> Scheduler:
