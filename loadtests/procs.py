@@ -8,22 +8,27 @@ import os
 from pathlib import Path
 
 
-def _stat(pid: int | str) -> list[str]:
-    """The fields of ``/proc/PID/stat`` after the command name (state first, parent second)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _stat(pid: int | str, thread: int | None = None) -> list[str]:
+    """The fields of ``/proc/PID/stat`` (or of one of its threads, ``/proc/PID/task/TID/stat``) after
+    the command name (state first, parent second)."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    return Path(path).read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu(fields: list[str]) -> float:
+    """User plus system CPU seconds in a stat line's fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds ``pid`` has spent."""
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _cpu(_stat(pid))
 
 
 def main_thread_cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of ``pid``'s main thread alone (a server's event loop; its other
     threads run forwards, tokenisers and the allocator's)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _cpu(_stat(pid, pid))
 
 
 def _parents() -> dict[int, tuple[int, str]]:
