@@ -288,9 +288,12 @@ class Settings:
         "predicted to wait at most this many ms in the queue (429 queue_full beyond), so a "
         "one-off burst — a RAG ingestion's thousand chunks at once — is queued and served whole rather "
         "than refused. Longer absorbs bigger bursts, at the price of that much latency for the burst's "
-        "tail (and for the first --queue-interval-ms of a sustained overload). Keep it well under "
-        "--request-timeout-ms.",
-        default=10000.0,
+        "tail (and for the first --queue-interval-ms of a sustained overload). Keep it under "
+        "--request-timeout-ms (a request that cannot finish by its deadline is refused anyway). 20 s: "
+        "a thousand one-chunk calls are about 5 s of work on an idle 2-core machine and 10 s on a busy "
+        "one, and a burst refused at the bound comes back paced by Retry-After, taking two to four "
+        "times as long as queueing it would have.",
+        default=20000.0,
     )
     queue_target_ms: float | None = _knob(
         "When a queue stands (CoDel's target): once the oldest waiting input has waited longer than "

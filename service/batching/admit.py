@@ -10,7 +10,8 @@ A request is refused at once — before it queues, and where the caller can, bef
   drains in seconds is served whole; once the queue stands, only if its first result is predicted
   within ``max_queue_wait_s`` of its head arriving, the time it spent before admission included
   (``overloaded``), so admitted requests keep their latency under sustained overload while the excess
-  is refused for the price of a check;
+  is refused for the price of a check (and what was admitted under that promise but can no longer
+  keep it is answered ``late`` when its turn comes: :meth:`Admitter.late`);
 * it cannot finish by its deadline (``deadline_unmeetable``).
 
 **Checked but not yet queued.** Between the check before tokenising and admission (the tokeniser's
@@ -222,20 +223,27 @@ class Admitter:
 
     def room_in(self, wait: float, allowed: float) -> float:
         """Seconds until a queue that makes a newcomer wait ``wait`` has drained to half of the
-        ``allowed`` wait. A standing queue is cut to what it admits (its late inputs are dropped as
-        their turn comes), so it is never further away than that."""
-        allowed = max(allowed, 0.0)
-        if self.regime.standing:
-            wait = min(wait, self.config.max_queue_wait_s)
-        return wait - allowed / 2
+        ``allowed`` wait. The whole queue counts, standing or not: what a burst put in it before it
+        stood is served, not dropped (:meth:`late`), and a caller told to come back before it has
+        drained was refused again (it once counted a standing queue as cut to the bound)."""
+        return wait - max(allowed, 0.0) / 2
 
     def late(self, waiting: Sequence[Entry], start: float, now: float) -> list[Entry]:
-        """Of ``waiting`` (in fair order), the first inputs of requests (``lead``) that the current
-        regime would not run if they were admitted only now: under a standing queue, those whose first
-        result cannot come within ``max_queue_wait_s`` of their arrival if their batch starts at
+        """Of ``waiting`` (in fair order), the first inputs of requests (``lead``) that were admitted
+        under a standing queue's promise (``strict``: while it stood, or soon after — see
+        :meth:`.overload.Regime.recent`) and can no longer keep it: under a standing queue, those whose
+        first result cannot come within ``max_queue_wait_s`` of their arrival if their batch starts at
         ``start`` (the next anchor's batch is sized to what it has left, so it is judged by its forward
-        alone; the others by the batch they would ride in); otherwise those that waited past
-        ``burst_wait_s``. They are answered (429 ``late``), not computed late.
+        alone; the others by the batch they would ride in). They are answered (429 ``late``), not
+        computed late, so that those behind them keep the bound.
+
+        Never an input admitted as a burst, into a queue that kept emptying: that a queue stands for a
+        moment while a burst is still arriving (a thousand calls take a starved client seconds to send)
+        does not undo their admission — dropping them, with their callers' retries judged against the
+        same queue, lost up to 150 of a simulated thousand-chunk ingestion on a busy machine. Nor anything
+        while the queue keeps emptying: it drains in order, so dropping its oldest inputs (say, past
+        ``burst_wait_s`` on a machine slower than predicted) helps none of those behind them, and sends
+        their callers to the back of the queue; deadlines drop what is hopeless.
 
         Except, under a standing queue, ``high`` inputs, and ``normal`` ones while ``low`` ones wait:
         fair order weights them ahead of the lower classes, so the queue is hardly what made them late
@@ -246,14 +254,15 @@ class Admitter:
             return []
         cfg = self.config
         if not self.regime.observe(now):
-            return [e for e in waiting if e.lead and start - e.arrival > cfg.burst_wait_s]
+            return []
         anchor = waiting[0]
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
-        late = [e for e in waiting[1:] if e.lead and e.priority == lowest and start - e.arrival > limit]
+        late = [e for e in waiting[1:]
+                if e.lead and e.strict and e.priority == lowest and start - e.arrival > limit]
         anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
-        if anchor.lead and anchor.priority == lowest and anchor_late:
+        if anchor.lead and anchor.strict and anchor.priority == lowest and anchor_late:
             late.insert(0, anchor)
         return late
 

@@ -68,6 +68,11 @@ class Regime:
         self.capacity = math.inf
         self._waiting: deque[_Waiting] = deque()  # queued inputs, in the order they were admitted
 
+    def recent(self, now: float, intervals: float = MEMORY) -> bool:
+        """Whether the queue stands, or stood within the last ``intervals`` intervals (the overload
+        may go on: the queue is good only between two refusals of it)."""
+        return self.standing or now - self._ended < intervals * self.interval_s
+
     def add(self, entries: Iterable[_Waiting]) -> None:
         self._waiting.extend(entries)
 
@@ -111,13 +116,14 @@ class Regime:
             # It stood a moment ago (it emptied only by refusing and dropping): the overload goes on,
             # so stand again at once rather than admit another interval's burst (RFC 8289 resumes its
             # dropping state the same way).
-            self.standing = self.standing or now - self._ended < self.MEMORY * self.interval_s
+            self.standing = self.recent(now)
         elif now - self._above_since >= self.interval_s:
             self.standing = True
         if self.standing and self.arrivals(now) < self.capacity * (LEAVE_BELOW if was else 1.0):
             # Arrivals have fallen below what the model serves: what stands is a burst draining.
             self.standing = False
-            self._ended = now
+            if was:  # (a queue that was about to stand and did not has not stood: no memory of it)
+                self._ended = now
         return self.standing
 
 

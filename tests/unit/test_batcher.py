@@ -279,27 +279,34 @@ async def test_cached_inputs_are_answered_without_queueing_and_memory_stays_boun
 
 
 async def test_a_standing_queue_refuses_at_the_door_and_answers_late_inputs_not_computing_them() -> None:
-    # One input per batch, 0.3 s each, and a 0.5 s bound on a standing queue: what waits behind the
-    # running batch can no longer have its result within the bound once that batch is over.
-    runner = FakeRunner(batch_seconds=0.3)
+    # One input per batch, 0.6 s each on a machine twelve times slower than its cost model says: what
+    # was admitted under a standing queue and can no longer have its result within the 0.5 s bound once
+    # the running batch is over is answered, not computed; what was admitted before the queue stood (a
+    # burst) keeps its admission.
+    runner = FakeRunner(batch_seconds=0.6)
     rig = Rig(runner, limits=Limits(1, 16384), max_queue_wait_s=0.5, queue_interval_s=0.0)
     regime = rig.batcher.scheduler.regime
     for padded in (4, 16):
-        rig.batcher.scheduler.cost.observe(padded, 0.3)  # as warm-up measures it
+        rig.batcher.scheduler.cost.observe(padded, 0.05)
     try:
         first = asyncio.ensure_future(rig.embed("runs at once"))
         await asyncio.sleep(0.01)
+        burst = asyncio.ensure_future(rig.embed("admitted as a burst"))
+        await asyncio.sleep(0.01)
+        # An overload that goes on: arrivals above what the model is taken to serve, from now on.
+        regime.standing = True
+        rig.batcher.scheduler.admission.capacity = lambda: 1.0  # type: ignore[method-assign]  (tokens/s)
         waiting = [asyncio.ensure_future(rig.embed(f"waits {i}")) for i in range(3)]
         await asyncio.sleep(0.01)
-        regime.standing, regime.capacity = True, 0.0  # an overload that goes on
+        regime.capacity = 0.0  # (and arrivals go on, however few)
         now = asyncio.get_running_loop().time()
-        with pytest.raises(Overloaded) as info:  # before tokenising: it already waited 0.4 s
-            rig.batcher.check_room(arrived=now - 0.4, first=4, total=4)
+        with pytest.raises(Overloaded) as info:  # before tokenising: it already waited 0.45 s
+            rig.batcher.check_room(arrived=now - 0.45, first=4, total=4)
         assert info.value.code == "overloaded" and "retry-after-ms" in info.value.headers()
-        assert len(await first) == 1
+        assert len(await first) == 1 and len(await burst) == 1
         outcomes = await asyncio.gather(*waiting, return_exceptions=True)
         assert all(isinstance(o, Overloaded) and o.code == "late" for o in outcomes), outcomes
-        assert runner.batches == [1], "the late inputs must never reach the runner"
+        assert runner.batches == [1, 1], "the late inputs must never reach the runner"
         assert rig.sample("coalesce_rejected_total", reason="late") == 3
         assert rig.sample("coalesce_rejected_total", reason="overloaded") == 1
         hints = sorted(o.retry_after for o in outcomes if isinstance(o, Overloaded))
