@@ -226,8 +226,8 @@ def test_a_burst_admitted_whole_is_served_whole_when_the_machine_runs_slower_tha
     # 500 requests at once, predicted at 1.7 s of work against a 2 s burst bound, on a machine whose
     # forwards turn out twice as slow: the tail waits past the bound. A queue that keeps emptying is
     # drained in order, so dropping its oldest inputs would help no one behind them: they are served
-    # (deadlines still drop what is hopeless). The old rule dropped the last ~40% as late after they had
-    # waited two seconds, to be sent to the back of the queue.
+    # (deadlines still drop what is hopeless). The old rule dropped about a third of them as late after
+    # they had waited two seconds, to be sent to the back of the queue.
     burst = own_flows([Arrival(i * 0.0002, TOKENS) for i in range(500)])
     res = simulate(shedding(burst_wait_s=2.0), burst, A, B, slowdown=2.0)
     assert refused(res) == 0 and res.completed == 500
