@@ -229,19 +229,19 @@ class Admitter:
         return wait - max(allowed, 0.0) / 2
 
     def late(self, waiting: Sequence[Entry], start: float, now: float) -> list[Entry]:
-        """Of ``waiting`` (in fair order), the first inputs of requests (``lead``) that were admitted
-        under a standing queue's promise (``strict``: while it stood, or soon after — see
-        :meth:`.overload.Regime.recent`) and can no longer keep it: under a standing queue, those whose
-        first result cannot come within ``max_queue_wait_s`` of their arrival if their batch starts at
-        ``start`` (the next anchor's batch is sized to what it has left, so it is judged by its forward
-        alone; the others by the batch they would ride in). They are answered (429 ``late``), not
-        computed late, so that those behind them keep the bound.
+        """Of ``waiting`` (in fair order), the first inputs of requests that were admitted under a
+        standing queue's promise (``strict``, set on a request's ``lead`` while it stood or within
+        :attr:`.overload.Regime.STRICT` intervals after) and can no longer keep it: under a standing
+        queue, those whose first result cannot come within ``max_queue_wait_s`` of their arrival if
+        their batch starts at ``start`` (the next anchor's batch is sized to what it has left, so it is
+        judged by its forward alone; the others by the batch they would ride in). They are answered
+        (429 ``late``), not computed late, so that those behind them keep the bound.
 
         Never an input admitted as a burst, into a queue that kept emptying: that a queue stands for a
         moment while a burst is still arriving (a thousand calls take a starved client seconds to send)
         does not undo their admission — dropping them, with their callers' retries judged against the
-        same queue, lost up to 150 of a simulated thousand-chunk ingestion on a busy machine. Nor anything
-        while the queue keeps emptying: it drains in order, so dropping its oldest inputs (say, past
+        same queue, lost up to 150 of a simulated thousand-chunk ingestion on a busy machine. Nor
+        anything while the queue keeps emptying: it drains in order, so dropping its oldest inputs (say, past
         ``burst_wait_s`` on a machine slower than predicted) helps none of those behind them, and sends
         their callers to the back of the queue; deadlines drop what is hopeless.
 
@@ -259,10 +259,9 @@ class Admitter:
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
-        late = [e for e in waiting[1:]
-                if e.lead and e.strict and e.priority == lowest and start - e.arrival > limit]
+        late = [e for e in waiting[1:] if e.strict and e.priority == lowest and start - e.arrival > limit]
         anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
-        if anchor.lead and anchor.strict and anchor.priority == lowest and anchor_late:
+        if anchor.strict and anchor.priority == lowest and anchor_late:
             late.insert(0, anchor)
         return late
 

@@ -76,7 +76,7 @@ class Entry:
     kind: object = None  # what the runner returns for it: entries of different kinds never share a batch
     bulk: bool = False  # part of a request of many inputs (the scheduler sets it; see interactive_batch_s)
     lead: bool = False  # its request's first input, whose start admission judged (see admit.py)
-    strict: bool = False  # admitted while the queue stood or soon after: held to its bound (admit.late)
+    strict: bool = False  # a lead admitted while the queue stood or soon after: held to its bound (late)
     taken: bool = field(default=False, repr=False)
     _flow: _Flow | None = field(default=None, init=False, repr=False)  # set by FairQueue.add
 

@@ -54,6 +54,7 @@ class Regime:
     """Good (the queue keeps emptying) or standing (it has not for a whole interval)."""
 
     MEMORY = 8  # intervals after standing ends during which a queue that grows old again stands at once
+    STRICT = 2  # intervals after standing ends during which what is admitted is held to its bound
 
     def __init__(self, target_s: float, interval_s: float) -> None:
         self.target_s = target_s

@@ -109,7 +109,6 @@ class SchedulerConfig:
 
 
 INTERACTIVE_INPUTS = 4  # a request of at most this many inputs is a query, not ingestion
-STRICT_INTERVALS = 2  # a request admitted this soon after the queue stood is held to its bound (add())
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +210,7 @@ class Scheduler:
                 e.bulk = True
         if entries:
             entries[0].lead = True
-            entries[0].strict = self.regime.recent(entries[0].arrival, STRICT_INTERVALS)
+            entries[0].strict = self.regime.recent(entries[0].arrival, self.regime.STRICT)
         self._queue.add(entries)
         self.regime.add(entries)
         for e in entries:
