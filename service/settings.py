@@ -290,9 +290,9 @@ class Settings:
         "than refused. Longer absorbs bigger bursts, at the price of that much latency for the burst's "
         "tail (and for the first --queue-interval-ms of a sustained overload). Keep it under "
         "--request-timeout-ms (a request that cannot finish by its deadline is refused anyway). 20 s: "
-        "a thousand one-chunk calls are about 5 s of work on an idle 2-core machine and 10 s on a busy "
-        "one, and a burst refused at the bound comes back paced by Retry-After, taking two to four "
-        "times as long as queueing it would have.",
+        "a thousand one-chunk calls are about 5 s of work on an idle 2-core machine and took 10.8 s on "
+        "a slow one (BENCHMARKS.md, overload), and a burst refused at the bound comes back paced by "
+        "Retry-After, which takes longer than queueing it would have.",
         default=20000.0,
     )
     queue_target_ms: float | None = _knob(
