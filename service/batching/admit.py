@@ -237,10 +237,14 @@ class Admitter:
         judged by its forward alone; the others by the batch they would ride in). They are answered
         (429 ``late``), not computed late, so that those behind them keep the bound.
 
-        Never an input admitted as a burst, into a queue that kept emptying: that a queue stands for a
-        moment while a burst is still arriving (a thousand calls take a starved client seconds to send)
-        does not undo their admission — dropping them, with their callers' retries judged against the
-        same queue, lost up to 150 of a simulated thousand-chunk ingestion on a busy machine. Nor
+        Not an input admitted as a burst, into a queue that kept emptying, while the queue stands only
+        for a moment: a burst still arriving (a thousand calls take a starved client seconds to send)
+        stands while it does, and that does not undo their admission — dropping them, with their
+        callers' retries judged against the same queue, lost up to 150 of a simulated thousand-chunk
+        ingestion on a busy machine. Once it has stood for a whole interval
+        (:meth:`.overload.Regime.confirmed`), it is an overload whose first interval only looked like a
+        burst, and what that start put in the queue is held to the bound too (serving it all kept a 4×
+        overload's admitted p99 past 2 s in the simulator). Nor
         anything while the queue keeps emptying: it drains in order, so dropping its oldest inputs (say, past
         ``burst_wait_s`` on a machine slower than predicted) helps none of those behind them, and sends
         their callers to the back of the queue; deadlines drop what is hopeless.
@@ -259,9 +263,11 @@ class Admitter:
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
-        late = [e for e in waiting[1:] if e.strict and e.priority == lowest and start - e.arrival > limit]
+        held = self.regime.confirmed(now)  # an overload confirmed: what a burst was admitted too
+        late = [e for e in waiting[1:]
+                if (e.strict or (held and e.lead)) and e.priority == lowest and start - e.arrival > limit]
         anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
-        if anchor.strict and anchor.priority == lowest and anchor_late:
+        if (anchor.strict or (held and anchor.lead)) and anchor.priority == lowest and anchor_late:
             late.insert(0, anchor)
         return late
 

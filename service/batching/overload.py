@@ -14,8 +14,10 @@ out.) The signal is the age of the oldest input still waiting,
 counted from its request's head arriving (the wait before admission included), not the minimum
 sojourn of dispatched inputs: fair queuing sends a fresh query ahead of a backlog, so the minimum
 sojourn stays low under a flood that never drains. The arrival rate is what tells a burst from
-overload once the burst has arrived: both look alike while they arrive. The admission rules for each
-regime are in :mod:`.admit`.
+overload once the burst has arrived: both look alike while they arrive, so a queue that has stood for
+a whole interval more is *confirmed* an overload (:meth:`Regime.confirmed`): only then is what its
+start was admitted as a burst held to the standing bound. The admission rules for each regime are in
+:mod:`.admit`.
 
 **Retry-After that works.** A refused caller is told to come back when the queue will have drained
 to half of what the regime admits, and callers refused together are told to come back one after the
@@ -55,6 +57,7 @@ class Regime:
 
     MEMORY = 8  # intervals after standing ends during which a queue that grows old again stands at once
     STRICT = 2  # intervals after standing ends during which what is admitted is held to its bound
+    CONFIRM = 1  # intervals a queue must stand on before what a burst put in it is held to the bound too
 
     def __init__(self, target_s: float, interval_s: float) -> None:
         self.target_s = target_s
@@ -62,6 +65,7 @@ class Regime:
         self.standing = False
         self._above_since: float | None = None  # when the oldest waiting input was first seen too old
         self._ended = -math.inf  # when it last stopped standing
+        self._began = math.inf  # when it last began standing
         # Tokens asked for (admitted or refused) in the last ARRIVAL_WINDOW_S: a queue stands only while
         # arrivals go on at least as fast as the model serves (``capacity``, tokens per second).
         self._asked: deque[tuple[float, int]] = deque()
@@ -73,6 +77,13 @@ class Regime:
         """Whether the queue stands, or stood within the last ``intervals`` intervals (the overload
         may go on: the queue is good only between two refusals of it)."""
         return self.standing or now - self._ended < intervals * self.interval_s
+
+    def confirmed(self, now: float) -> bool:
+        """Whether the queue has stood for :attr:`CONFIRM` whole intervals: an overload, not the
+        standing moment of a burst that is still arriving (a starved client takes seconds to send a
+        thousand calls, and the queue stands while it does). Only then is what a burst was admitted
+        held to the standing bound (:meth:`.admit.Admitter.late`)."""
+        return self.standing and now - self._began >= self.CONFIRM * self.interval_s
 
     def add(self, entries: Iterable[_Waiting]) -> None:
         self._waiting.extend(entries)
@@ -125,6 +136,8 @@ class Regime:
             self.standing = False
             if was:  # (a queue that was about to stand and did not has not stood: no memory of it)
                 self._ended = now
+        if self.standing and not was:
+            self._began = now
         return self.standing
 
 
