@@ -306,9 +306,10 @@ class Settings:
     queue_interval_ms: float = _knob(
         "How long the queue must stand before admission tightens (CoDel's interval). Longer absorbs "
         "bursts that arrive over a longer time; shorter bounds how much of a sustained overload is "
-        "admitted as a burst before its requests are refused (they then wait up to about this long "
-        "plus the target). Within eight intervals of standing, a queue that grows old again stands at "
-        "once (the overload goes on).",
+        "admitted as a burst before its requests are refused (they then wait up to about two of these "
+        "plus the target: once the queue has stood one interval more, what was admitted as a burst and "
+        "can no longer start within the bound is answered 429 late). Within eight intervals of "
+        "standing, a queue that grows old again stands at once (the overload goes on).",
         default=500.0,
     )
     request_timeout_ms: float = _knob(
