@@ -89,6 +89,24 @@ def test_matmul_attention_is_the_fused_kernels_function() -> None:
     torch.testing.assert_close(got, sdpa_attention(q, k, v, bias), rtol=0, atol=1e-5)
 
 
+def test_bfloat16_attention_stays_bfloat16_with_its_softmax_taken_in_float32() -> None:
+    # The products in bfloat16, the scale, mask and softmax of the scores in float32 (faster on the CPU
+    # than bfloat16's, and one rounding fewer): the rows stay bfloat16 for the next projection, and a
+    # masked key gets no weight.
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(6, 12, 20, 32, generator=g) for _ in range(3))
+    keep = torch.arange(20)[None] < torch.tensor([20, 15, 9, 1, 20, 4])[:, None]
+    bias = torch.zeros(6, 20).masked_fill_(~keep, torch.finfo(torch.float32).min / 2)[:, None, None, :]
+    want = sdpa_attention(q, k, v, bias)
+    got = cpu_forward.bf16_cpu_attention(*(t.bfloat16() for t in (q, k, v, bias)))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0.03)  # bfloat16's rounding of q, k, v
+    v_masked = v.clone()
+    v_masked[1, :, 15:] = 1e3  # what only masked keys hold
+    moved = cpu_forward.bf16_cpu_attention(*(t.bfloat16() for t in (q, k, v_masked, bias)))
+    assert torch.equal(moved[1], got[1])
+
+
 def test_a_tuned_forward_that_fails_puts_the_plain_one_back(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
