@@ -244,10 +244,10 @@ class Admitter:
         ingestion on a busy machine. Once it has stood for a whole interval
         (:meth:`.overload.Regime.confirmed`), it is an overload whose first interval only looked like a
         burst, and what that start put in the queue is held to the bound too (serving it all kept a 4×
-        overload's admitted p99 past 2 s in the simulator). Nor
-        anything while the queue keeps emptying: it drains in order, so dropping its oldest inputs (say, past
-        ``burst_wait_s`` on a machine slower than predicted) helps none of those behind them, and sends
-        their callers to the back of the queue; deadlines drop what is hopeless.
+        overload's admitted p99 past 2 s in the simulator). Nor anything while the queue keeps
+        emptying: it drains in order, so dropping its oldest inputs (say, past ``burst_wait_s`` on a
+        machine slower than predicted) helps none of those behind them, and sends their callers to the
+        back of the queue; deadlines drop what is hopeless.
 
         Except, under a standing queue, ``high`` inputs, and ``normal`` ones while ``low`` ones wait:
         fair order weights them ahead of the lower classes, so the queue is hardly what made them late
@@ -263,11 +263,13 @@ class Admitter:
         alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
-        held = self.regime.confirmed(now)  # an overload confirmed: what a burst was admitted too
-        late = [e for e in waiting[1:]
-                if (e.strict or (held and e.lead)) and e.priority == lowest and start - e.arrival > limit]
-        anchor_late = start - anchor.arrival > cfg.max_queue_wait_s - alone
-        if (anchor.strict or (held and anchor.lead)) and anchor.priority == lowest and anchor_late:
+        confirmed = self.regime.confirmed(now)  # an overload: what a burst was admitted is held too
+
+        def bound(e: Entry) -> bool:  # held to the standing bound (``strict`` is only ever on a lead)
+            return (e.lead if confirmed else e.strict) and e.priority == lowest
+
+        late = [e for e in waiting[1:] if bound(e) and start - e.arrival > limit]
+        if bound(anchor) and start - anchor.arrival > cfg.max_queue_wait_s - alone:
             late.insert(0, anchor)
         return late
 
