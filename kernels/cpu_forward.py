@@ -58,14 +58,23 @@ FUSED_ACTIVATIONS: dict[str, tuple[str, str]] = {
 _PROJECTIONS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 
 
-def packing_unavailable() -> str | None:
-    """Why this torch cannot pack linear weights for oneDNN, or None when it can."""
+def packing_unavailable(dtype: torch.dtype = torch.float32) -> str | None:
+    """Why this torch cannot pack linear weights of ``dtype`` for oneDNN here, or None when it can."""
     if not torch.backends.mkldnn.is_available():
         return "this build of torch has no oneDNN"
     for op in ("_reorder_linear_weight", "_linear_pointwise"):
         if not hasattr(torch.ops.mkldnn, op):
             return f"torch.ops.mkldnn.{op} is missing"
+    if dtype == torch.bfloat16 and not bf16_kernels():
+        return "this CPU has no oneDNN bfloat16 kernels (they need AVX-512 BW, VL and DQ, or AVX-NE-CONVERT)"
     return None
+
+
+def bf16_kernels() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (its own check: packing a bfloat16 weight
+    raises where it has none, as on a CPU with AVX2 only)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True  # (an older torch: packing itself may refuse)
 
 
 class PackedLinear(nn.Module):
@@ -174,7 +183,7 @@ def tune_cpu_forward(model: Any, embed: Callable[[Any], np.ndarray], *, what: st
     when that keeps every calibration row ``embed`` computes within :data:`TUNED_MIN_COSINE` of the
     plain forward's; else as it was (logged). Returns ``model``."""
     bf16 = model.word.weight.dtype == torch.bfloat16
-    reason = packing_unavailable()
+    reason = packing_unavailable(model.word.weight.dtype)
     if reason is not None:
         log.info("model %s keeps plain linear layers: %s", what, reason)
     pack = reason is None
@@ -190,7 +199,8 @@ def pack_linear_layers(model: Any, embed: Callable[[Any], np.ndarray], *, what: 
     """Any CPU model (the eager sentence-transformers runner's) with every plain ``nn.Linear`` on
     oneDNN-packed weights, under the same check as :func:`tune_cpu_forward`. In place; returns
     ``model``."""
-    reason = packing_unavailable()
+    dtypes = {p.dtype for p in model.parameters()}
+    reason = packing_unavailable(torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32)
     if reason is not None:
         log.info("model %s keeps plain linear layers: %s", what, reason)
         return model

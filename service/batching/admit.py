@@ -156,6 +156,67 @@ class Admitter:
             )
         return None
 
+    def admits_all(
+        self, total: int, inputs: int, shortest: int, longest: int, widest: int, arrived: float,
+        deadline: float | None, tenants: dict[str, int], now: float,
+    ) -> bool:
+        """Whether :meth:`admit` would admit every request of a message, taken one after the other,
+        judged once for the message: ``total`` tokens in ``inputs`` inputs, of ``shortest`` to
+        ``longest`` tokens, at most ``widest`` in one request, the earliest head ``arrived``, the earliest
+        ``deadline`` (None: none has one), and the message's tokens by named tenant. True only when its
+        worst case passes every check in either regime: every token of the message already queued ahead
+        (``FairQueue.tokens_ahead`` never counts more than the whole queue), every held token too, every
+        input as short and every batch as small as any of them could make it, and every request as old
+        as the oldest. False says only that this bound fails: :meth:`admit` then judges each request
+        (some may still be admitted). Sound, not exact (``tests/unit/test_overload.py`` checks it
+        against :meth:`admit`); it spares a message of one-sentence requests a fair-share walk, a wait
+        prediction and a regime update each, which were a third of the engine's CPU per request."""
+        cfg, queue, coef = self.config, self._queue, self._cost.coef
+        self.regime.capacity = self.capacity()  # (as admit() does: the cost model learns)
+        if queue.tokens + total > cfg.max_queued_tokens:
+            return False
+        for tenant, tokens in tenants.items():
+            if queue.tenant_tokens(tenant) + tokens > cfg.tenant_max_queued_tokens:
+                return False
+        if not self.on and deadline is None:
+            return True
+        if coef.overhead_s < 0 or coef.per_token_s < 0:
+            return False  # (predictions would not grow with the batch: no worst case to take)
+        padding, limit = self._padding, self.batch_limit_s
+        ahead = queue.tokens + total + self._held_ahead(len(PRIORITIES) - 1, now)
+        mean = queue.tokens / queue.items if queue.items else 16.0  # (wait_s's count of an empty queue)
+        low, high = min(mean, shortest), max(mean, longest, 1)
+        if low <= 0:
+            return False
+        # wait_s at its worst: the most inputs ahead, in batches as small as a standing queue runs them.
+        size = cfg.max_batch_size
+        per_input = coef.per_token_s * padding * high
+        size = max(1, min(size, int((limit - coef.overhead_s) / max(per_input, 1e-9))))
+        wait = (self._busy_s(now) + math.ceil(ahead / low / size) * coef.overhead_s
+                + ahead * padding * coef.per_token_s)
+        if self.on:
+            n = min(cfg.max_batch_size, queue.items + inputs + 1)
+            full = self._cost.predict(self._padded_cost(n, math.ceil(high)))
+            alone = self._cost.predict(self._padded_cost(1, max(longest, 1)))
+            own = min(full, max(alone, limit))  # batch_s() of any of its inputs, at most
+            if wait > cfg.burst_wait_s or max(0.0, now - arrived) + wait + own > cfg.max_queue_wait_s:
+                return False
+        if deadline is not None:
+            own = self._cost.predict(self._padded_cost(widest, longest))
+            if now + wait + own > deadline:
+                return False
+        return True
+
+    def admitted(self, tokens: Sequence[int], now: float) -> None:
+        """The requests of a message join the queue on :meth:`admits_all`'s word, ``tokens[p]`` tokens
+        of class ``p``: what :meth:`admit` records of their admissions (their arrival, their holds
+        released, the oldest of each class first, as one by one)."""
+        self.regime.asked(sum(tokens), now)
+        if self._held:
+            for priority, count in enumerate(tokens):
+                if count:
+                    self._release(count, priority)
+
     def precheck(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
         arrived: float, now: float, *, hold: bool = True,

@@ -33,7 +33,7 @@ from ..logs import get_logger
 from ..metrics import Metrics, observe_all, observe_one
 from .cache import ResultCache
 from .policy import padding_ratio
-from .scheduler import DEFAULT_TENANT, Dispatch, Entry, Refusal, Scheduler, Wait
+from .scheduler import DEFAULT_TENANT, PRIORITIES, Dispatch, Entry, Refusal, Scheduler, Wait
 
 log = get_logger("coalesce.batcher")
 
@@ -67,6 +67,23 @@ class RequestResult:
 
 
 Reply = Callable[[Hashable, "RequestResult | CoalesceError"], None]
+
+
+@dataclass(slots=True)
+class Submission:
+    """One request of a message, for :meth:`Batcher.enqueue_many`: what :meth:`Batcher.enqueue` takes,
+    ``tag`` what its reply is called with. (Not frozen: a frozen dataclass is built through
+    ``object.__setattr__``, twice the cost, and the engine builds one per request.)"""
+
+    seqs: Sequence[Sequence[int]]
+    tag: Hashable
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
+    priority: int = 1
+    deadline: float | None = None
+    kind: OutputKind = OutputKind.POOLED
+    arrived: float | None = None  # when its head arrived (time.monotonic()); None: now
+    link: bytes | None = None
 
 
 class Ticket:
@@ -359,16 +376,105 @@ class Batcher:
         """:meth:`submit` without a future: the request is answered by ``reply(tag, outcome)`` (its
         :class:`RequestResult`, or the error that ended it), called once on the event loop — at once,
         before this returns, when every input is cached. :meth:`withdraw` the ticket to drop what has not
-        run. Raises the refusal, as ``submit`` does. The engine process answers gateways this way."""
+        run. Raises the refusal, as ``submit`` does. The engine process answers gateways this way, a
+        message's requests at a time (:meth:`enqueue_many`)."""
         self._refuse_if_closing()
         now = time.monotonic()
-        if arrived is None or arrived > now:
-            arrived = now
-        cache, inflight = self._cache, self._inflight
+        r = Submission(seqs, tag, tenant, weight, priority, deadline, kind,
+                       now if arrived is None or arrived > now else arrived, link)
+        hits, shared, fresh = self._sort(r)
+        if fresh:
+            refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], tenant, deadline, now,
+                                           weight=weight, priority=priority, arrived=r.arrived)
+            if refusal is not None:
+                self._metrics.rejected.labels(self.model, refusal.reason).inc()
+                raise refusal_error(refusal, self.model)
+        counts = [0, 0, 0]
+        job, entries = self._join(r, reply, hits, shared, fresh, counts)
+        self._count(counts)
+        if entries:
+            self.scheduler.add(entries, inputs=len(seqs))
+            self._idle.clear()
+            self._wake.set()
+        return job
+
+    def enqueue_many(self, requests: Sequence[Submission], reply: Reply) -> list[Ticket | CoalesceError]:
+        """:meth:`enqueue` for the requests of one message (a gateway's event-loop turn), in order: each
+        one's ticket, or the error that refused it. The same outcome as enqueueing them one after the
+        other, paid once for the message where it can be: admission checks the message's worst case
+        once (:meth:`.scheduler.Scheduler.admits_all`) and judges request by request only when that
+        fails; the queue takes every admitted input in one call; the cache and deduplication counters
+        and the owner's wake-up are set once. What stays per request is what must: the cache and
+        in-flight lookups of its inputs, its ticket, and its inputs' entries."""
+        if len(requests) < 2 or self._closing:  # (one request: nothing to share between requests)
+            return [self._enqueue_or_refusal(r, reply) for r in requests]
+        now = time.monotonic()
+        total = inputs = widest = longest = 0
+        shortest = 1 << 30
+        oldest, soonest = now, None
+        tenants: dict[str, int] = {}
+        for r in requests:
+            n = len(r.seqs)
+            inputs += n
+            if n > widest:
+                widest = n
+            tokens = 0
+            for ids in r.seqs:
+                k = len(ids)
+                tokens += k
+                if k > longest:
+                    longest = k
+                if k < shortest:
+                    shortest = k
+            total += tokens
+            if r.arrived is not None and r.arrived < oldest:
+                oldest = r.arrived
+            if r.deadline is not None and (soonest is None or r.deadline < soonest):
+                soonest = r.deadline
+            if r.tenant != DEFAULT_TENANT:
+                tenants[r.tenant] = tenants.get(r.tenant, 0) + tokens
+        sched = self.scheduler
+        if not sched.admits_all(total, inputs, shortest, longest, widest, oldest, soonest,
+                                                tenants, now):
+            return [self._enqueue_or_refusal(r, reply) for r in requests]
+        out: list[Ticket | CoalesceError] = []
+        added: list[tuple[list[Entry], int]] = []
+        counts = [0, 0, 0]
+        by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
+        for r in requests:
+            if r.arrived is None or r.arrived > now:
+                r = Submission(r.seqs, r.tag, r.tenant, r.weight, r.priority, r.deadline, r.kind, now, r.link)
+            hits, shared, fresh = self._sort(r)
+            job, entries = self._join(r, reply, hits, shared, fresh, counts)
+            if entries:
+                added.append((entries, len(r.seqs)))
+                by_class[min(max(r.priority, 0), len(by_class) - 1)] += sum(e.n_tokens for e in entries)
+            out.append(job)
+        self._count(counts)
+        if added:
+            sched.admitted(by_class, now)
+            sched.add_many(added)
+            self._idle.clear()
+            self._wake.set()
+        return out
+
+    def _enqueue_or_refusal(self, r: Submission, reply: Reply) -> Ticket | CoalesceError:
+        try:
+            return self.enqueue(r.seqs, reply, r.tag, tenant=r.tenant, weight=r.weight, priority=r.priority,
+                                deadline=r.deadline, kind=r.kind, arrived=r.arrived, link=r.link)
+        except CoalesceError as err:
+            return err
+
+    def _sort(self, r: Submission) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, bytes]],
+                                            dict[bytes, list[int]]]:
+        """A request's inputs by where their rows come from: the cache (position, rows), work already
+        queued or running (position, its key), or new work (key → positions: identical inputs of one
+        request are computed once)."""
+        cache, inflight, kind, priority = self._cache, self._inflight, r.kind, r.priority
         hits: list[tuple[int, np.ndarray]] = []
-        shared: list[tuple[int, _Work]] = []
-        fresh: dict[bytes, list[int]] = {}  # distinct new inputs of this request, by key → positions
-        for i, ids in enumerate(seqs):
+        shared: list[tuple[int, bytes]] = []
+        fresh: dict[bytes, list[int]] = {}
+        for i, ids in enumerate(r.seqs):
             key = input_key(ids, kind)
             block = cache.get(self.model, key) if cache is not None else None
             if block is not None:
@@ -376,35 +482,36 @@ class Batcher:
             elif key in fresh:
                 fresh[key].append(i)
             elif (work := inflight.get(key)) is not None and priority >= work.priority:
-                shared.append((i, work))  # not more urgent than the work it joins
+                shared.append((i, key))  # not more urgent than the work it joins
             else:
                 fresh[key] = [i]
-        if fresh:
-            refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], tenant, deadline, now,
-                                           weight=weight, priority=priority, arrived=arrived)
-            if refusal is not None:
-                self._metrics.rejected.labels(self.model, refusal.reason).inc()
-                raise refusal_error(refusal, self.model)
+        return hits, shared, fresh
+
+    def _join(self, r: Submission, reply: Reply, hits: list[tuple[int, np.ndarray]],
+              shared: list[tuple[int, bytes]], fresh: dict[bytes, list[int]], counts: list[int]
+              ) -> tuple[Ticket, list[Entry]]:
+        """An admitted request's ticket, and the entries of its new work (for the scheduler to queue):
+        it waits for the work it shares, its cached rows are put at once. ``counts`` (cache hits,
+        misses, deduplicated inputs) are added to."""
+        seqs, deadline, kind, inflight = r.seqs, r.deadline, r.kind, self._inflight
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
-            job = Ticket(reply, tag, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=link)
+            job = Ticket(reply, r.tag, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=r.link)
         else:
-            job = Ticket(reply, tag, len(seqs), link=link)
-        series = self._series
-        if cache is not None:
-            if hits:
-                series.cache_hits.inc(len(hits))
-            if len(hits) < len(seqs):
-                series.cache_misses.inc(len(seqs) - len(hits))
-        if shared or len(fresh) + len(hits) < len(seqs):
-            series.deduplicated.inc(len(seqs) - len(fresh) - len(hits))
-        for i, work in shared:
+            job = Ticket(reply, r.tag, len(seqs), link=r.link)
+        if self._cache is not None:
+            counts[0] += len(hits)
+            counts[1] += len(seqs) - len(hits)
+        counts[2] += len(seqs) - len(fresh) - len(hits)
+        for i, key in shared:
+            work = inflight[key]
             work.waiters.append((job, i))
             if deadline is None or (work.deadline is not None and deadline > work.deadline):
                 work.deadline = deadline
                 if work.entry is not None:
                     self.scheduler.extend_deadline(work.entry, deadline)
         entries = []
+        arrived, tenant, weight, priority = cast(float, r.arrived), r.tenant, r.weight, r.priority
         for key, positions in fresh.items():
             first = positions[0]
             work = _Work(seqs[first], key, job, first, deadline, priority)
@@ -415,11 +522,17 @@ class Batcher:
             entries.append(work.entry)
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
-        if entries:
-            self.scheduler.add(entries, inputs=len(seqs))
-            self._idle.clear()
-            self._wake.set()
-        return job
+        return job, entries
+
+    def _count(self, counts: list[int]) -> None:
+        hits, misses, deduplicated = counts
+        series = self._series
+        if hits:
+            series.cache_hits.inc(hits)
+        if misses:
+            series.cache_misses.inc(misses)
+        if deduplicated:
+            series.deduplicated.inc(deduplicated)
 
     def withdraw(self, ticket: Ticket) -> None:
         """The caller no longer wants ``ticket``'s rows: its inputs still waiting are dropped, never

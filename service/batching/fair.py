@@ -80,6 +80,11 @@ class Entry:
     taken: bool = field(default=False, repr=False)
     _flow: _Flow | None = field(default=None, init=False, repr=False)  # set by FairQueue.add
 
+    @property
+    def queued(self) -> bool:
+        """Whether :meth:`FairQueue.add` has taken it (it may have left the queue since)."""
+        return self._flow is not None
+
 
 _Key = tuple[float, float, int, "_Flow"]  # (start tag, finish tag, join order, flow)
 _Part = TypeVar("_Part", "_Class", "_Tenant")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -182,6 +182,19 @@ class Scheduler:
         return self.admission.admit(tokens, tenant, deadline, now, weight=weight, priority=priority,
                                     arrived=arrived)
 
+    def admits_all(
+        self, total: int, inputs: int, shortest: int, longest: int, widest: int, arrived: float,
+        deadline: float | None, tenants: dict[str, int], now: float,
+    ) -> bool:
+        """Whether every request of a message so summarised is admitted (:meth:`Admitter.admits_all`)."""
+        return self.admission.admits_all(total, inputs, shortest, longest, widest, arrived, deadline, tenants,
+                                         now)
+
+    def admitted(self, tokens: Sequence[int], now: float) -> None:
+        """A message's requests admitted on :meth:`admits_all`'s word, tokens by class
+        (:meth:`Admitter.admitted`)."""
+        self.admission.admitted(tokens, now)
+
     def precheck(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
         arrived: float, now: float, *, hold: bool = True,
@@ -205,17 +218,29 @@ class Scheduler:
         """Queue admitted entries (one request's inputs, in order; they share its ``flow``). ``inputs``
         is the request's size when some of its inputs are not queued (cached, or shared with another)."""
         entries = list(entries)
-        if (len(entries) if inputs is None else inputs) > INTERACTIVE_INPUTS:
-            for e in entries:
-                e.bulk = True
-        if entries:
-            entries[0].lead = True
-            entries[0].strict = self.regime.recent(entries[0].arrival, self.regime.STRICT)
-        self._queue.add(entries)
-        self.regime.add(entries)
-        for e in entries:
+        self.add_many([(entries, len(entries) if inputs is None else inputs)])
+
+    def add_many(self, requests: Sequence[tuple[list[Entry], int]]) -> None:
+        """Queue the admitted entries of several requests at once, in order: each request's entries
+        and its size, as :meth:`add` takes them. The same queue as adding them one by one."""
+        STRICT, recent = self.regime.STRICT, self.regime.recent
+        every: list[Entry] = []
+        for entries, inputs in requests:
+            if not entries:
+                continue
+            if inputs > INTERACTIVE_INPUTS:
+                for e in entries:
+                    e.bulk = True
+            lead = entries[0]
+            lead.lead = True
+            lead.strict = recent(lead.arrival, STRICT)
+            every += entries
+        self._queue.add(every)
+        self.regime.add(every)
+        deadlines, seq = self._deadlines, self._seq
+        for e in every:
             if e.deadline is not None:
-                heapq.heappush(self._deadlines, (e.deadline, next(self._seq), e))
+                heapq.heappush(deadlines, (e.deadline, next(seq), e))
 
     # -- dispatch ------------------------------------------------------------------------------------
     @property
@@ -340,9 +365,10 @@ class Scheduler:
             self.busy_until = now
 
     def extend_deadline(self, e: Entry, deadline: float | None) -> None:
-        """Give a waiting entry a later deadline, or none (another request now waits for it too)."""
+        """Give a waiting entry a later deadline, or none (another request now waits for it too). An
+        entry not queued yet (of the same message) is queued with it."""
         e.deadline = deadline
-        if deadline is not None:
+        if deadline is not None and e.queued:
             heapq.heappush(self._deadlines, (deadline, next(self._seq), e))
 
     def remove(self, should_drop: Callable[[Entry], bool]) -> list[Entry]:

@@ -20,14 +20,14 @@ import asyncio
 import signal
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from coalesce.kernels.protocol import OutputKind
 
 from .. import tracing
 from ..allocator import freeze_startup_heap
-from ..batching.batcher import Batcher, RequestResult, Ticket
+from ..batching.batcher import Batcher, RequestResult, Submission, Ticket
 from ..batching.scheduler import Scheduler
 from ..errors import CoalesceError, Unavailable
 from ..logs import get_logger
@@ -42,6 +42,7 @@ log = get_logger("coalesce.engine")
 # Capture statistics are copied into the shared metrics at most this often, after results (an idle
 # engine never wakes for them).
 _CAPTURE_EVERY_S = 1.0
+_POOLED, _TOKENS = OutputKind.POOLED, OutputKind.TOKENS
 
 
 class GatewayLink:
@@ -116,25 +117,32 @@ class GatewayLink:
         except wire.ProtocolError as exc:
             self._refuse(str(exc))
             return
-        jobs, reply = self._jobs, self._reply
+        # Each model's batcher takes its requests of the message at once (admission judges them
+        # together where it can: Batcher.enqueue_many).
+        by_model: dict[int, list[Submission]] = {}
         for job, seqs in zip(msg.jobs, unpacked, strict=True):
             if isinstance(seqs, wire.ProtocolError):
                 self._malformed(job.id, seqs)
                 continue
-            batcher = models[job.model].batcher
             try:
-                ticket = batcher.enqueue(
-                    seqs, reply, job.id, tenant=job.tenant, weight=job.weight, priority=job.priority,
-                    deadline=job.deadline, kind=OutputKind.TOKENS if job.tokens else OutputKind.POOLED,
-                    arrived=job.arrived or None, link=_link(job.trace),
-                )
+                link = _link(job.trace)
             except wire.ProtocolError as exc:  # a span context of the wrong size
                 self._malformed(job.id, exc)
-            except CoalesceError as err:
-                self._fail(job.id, err)
+                continue
+            request = Submission(seqs, job.id, job.tenant, job.weight, job.priority, job.deadline,
+                                 _TOKENS if job.tokens else _POOLED, job.arrived or None, link)
+            if job.model in by_model:
+                by_model[job.model].append(request)
             else:
-                if not ticket.done:  # (every input cached: answered already)
-                    jobs[job.id] = (batcher, ticket)
+                by_model[job.model] = [request]
+        jobs, reply = self._jobs, self._reply
+        for index, requests in by_model.items():
+            batcher = models[index].batcher
+            for request, outcome in zip(requests, batcher.enqueue_many(requests, reply), strict=True):
+                if isinstance(outcome, CoalesceError):
+                    self._fail(cast(int, request.tag), outcome)
+                elif not outcome.done:  # (every input cached: answered already)
+                    jobs[cast(int, request.tag)] = (batcher, outcome)
 
     def _malformed(self, job_id: int, exc: wire.ProtocolError) -> None:
         log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))

@@ -66,11 +66,25 @@ def test_float32_tuned_rows_equal_the_plain_forward(act: str) -> None:
                                        rtol=0, atol=1e-4)
 
 
-def test_bfloat16_tuned_rows_stay_with_the_plain_bfloat16_forward() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["bf16 kernels", "AVX2 only"])
+def test_bfloat16_tuned_rows_stay_with_the_plain_bfloat16_forward(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A CPU with oneDNN's bfloat16 kernels packs the linear layers too; one without (AVX2 only, where
+    # packing a bfloat16 weight raises) keeps them plain but still takes the matmul attention.
+    if kernels and not cpu_forward.bf16_kernels():
+        pytest.skip("packing bfloat16 weights needs oneDNN's bfloat16 kernels, which this CPU lacks")
+    monkeypatch.setattr(cpu_forward, "bf16_kernels", lambda: kernels)
     plain = _model(dtype=torch.bfloat16)
-    tuned = tune_cpu_forward(_model(dtype=torch.bfloat16), _calibration, what="tiny")
+    with caplog.at_level(logging.INFO, logger="coalesce.kernels"):
+        tuned = tune_cpu_forward(_model(dtype=torch.bfloat16), _calibration, what="tiny")
     assert tuned.layers[0].attend is cpu_forward.bf16_cpu_attention
-    assert tuned.layers[0].qkv.dtype == torch.bfloat16
+    if kernels:
+        assert isinstance(tuned.layers[0].qkv, PackedLinear) and tuned.layers[0].qkv.dtype == torch.bfloat16
+    else:
+        assert type(tuned.layers[0].qkv) is torch.nn.Linear
+        assert "no oneDNN bfloat16 kernels" in caplog.text
+        assert "keeps its plain CPU forward" not in caplog.text
     with torch.inference_mode():
         for rows, cols, lengths in BATCHES:  # below and past MATMUL_ATTENTION_MIN_ROWS
             ids, lens = _ids(rows, cols, lengths)
@@ -144,7 +158,7 @@ def test_a_tuned_forward_whose_rows_drift_puts_the_plain_one_back(
 def test_without_onednn_float32_stays_plain_and_bfloat16_only_changes_attention(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_forward, "packing_unavailable", lambda: "this build of torch has no oneDNN")
+    monkeypatch.setattr(cpu_forward, "packing_unavailable", lambda *_: "this build of torch has no oneDNN")
     with caplog.at_level(logging.INFO, logger="coalesce.kernels"):
         f32 = tune_cpu_forward(_model(), _calibration, what="tiny")
     assert not is_tuned(f32) and "no oneDNN" in caplog.text
