@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 from aiohttp import web
@@ -32,11 +32,11 @@ from coalesce.kernels.worker import Lane
 
 from .. import tracing
 from ..batching.admit import AdmissionConfig, Refusal, judge_wait
-from ..batching.batcher import Batcher, RequestResult, refusal_error
+from ..batching.batcher import Batcher, RequestResult, Submission, Ticket, refusal_error
 from ..batching.fair import DEFAULT_TENANT
 from ..batching.overload import RetryPacer
 from ..engine.core import Engine, RunnerFactory
-from ..errors import DeadlineExceeded, InvalidRequest
+from ..errors import CoalesceError, DeadlineExceeded, InvalidRequest
 from ..metrics import Metrics
 from ..settings import Settings
 from .admission import Admission
@@ -272,6 +272,7 @@ class LocalModel(ServedModel):
         super().__init__(info, tokens, device=device, metrics=metrics, prompts=prompts,
                          calibration=calibration)
         self._batcher = batcher
+        self._turn: list[Submission] = []  # this event-loop turn's requests, handed over at its end
 
     @property
     def standing(self) -> bool:
@@ -285,10 +286,30 @@ class LocalModel(ServedModel):
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None
     ) -> asyncio.Future[RequestResult]:
-        return self._batcher.submit(
-            seqs, tenant=adm.tenant, weight=adm.weight, priority=adm.priority, deadline=adm.deadline,
-            kind=kind, arrived=adm.arrived, link=link,
-        )
+        """The requests submitted in one event-loop turn (those its tokenising turn released) reach the
+        batcher together at the turn's end, as a gateway's message reaches the engine under
+        ``--workers N`` (:meth:`Batcher.enqueue_many`: admitted as one where the queue allows): one
+        code path for both. A refusal comes through the future."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[RequestResult] = loop.create_future()
+        if not self._turn:
+            loop.call_soon(self._hand_over_turn)
+        self._turn.append(Submission(seqs, fut, adm.tenant, adm.weight, adm.priority, adm.deadline, kind,
+                                     adm.arrived, link))
+        return fut
+
+    def _hand_over_turn(self) -> None:
+        turn, self._turn = self._turn, []
+        live = [r for r in turn if not cast(asyncio.Future, r.tag).done()]  # (not cancelled meanwhile)
+        if not live:
+            return
+        batcher = self._batcher
+        for r, outcome in zip(live, batcher.enqueue_many(live, _settle), strict=True):
+            fut = cast("asyncio.Future[RequestResult]", r.tag)
+            if isinstance(outcome, CoalesceError):
+                fut.set_exception(outcome)
+            elif not outcome.done:  # (every input cached: answered already)
+                fut.add_done_callback(partial(_withdraw_if_cancelled, batcher, outcome))
 
 
 class RemoteModel(ServedModel):
@@ -404,6 +425,22 @@ class LocalBackend:
 
     def record(self) -> None:
         self._engine.record_capture()
+
+
+def _settle(fut: Hashable, outcome: RequestResult | CoalesceError) -> None:
+    """A ticket's answer into the future :meth:`LocalModel.submit` returned (unless it was cancelled)."""
+    assert isinstance(fut, asyncio.Future)
+    if fut.done():
+        return
+    if isinstance(outcome, RequestResult):
+        fut.set_result(outcome)
+    else:
+        fut.set_exception(outcome)
+
+
+def _withdraw_if_cancelled(batcher: Batcher, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
+    if fut.cancelled():
+        batcher.withdraw(ticket)  # its inputs still waiting are dropped, never computed
 
 
 def _cancel_all(group: list[_Pending]) -> None:

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
+import numpy as np
 import pytest
-from coalesce.kernels.protocol import ModelInfo, Task
+from coalesce.kernels.protocol import ModelInfo, OutputKind, Task
+from coalesce.service.batching.batcher import Submission
+from coalesce.service.errors import InvalidRequest
 from coalesce.service.gateway import facade
-from coalesce.service.gateway.facade import ServedModel
+from coalesce.service.gateway.admission import Admission
+from coalesce.service.gateway.facade import LocalModel, ServedModel
 from coalesce.service.metrics import Metrics
 
-from ..fakes import FakeTokens
+from ..fakes import FakeRunner, FakeTokens
+from .test_batcher import Rig as BatcherRig
 
 
 class CountingTokens(FakeTokens):
@@ -96,3 +103,55 @@ async def test_a_turn_of_short_texts_is_tokenised_on_the_loop_and_a_long_one_on_
     inline = facade.INLINE_TOKENIZE_CHARS > 0
     assert (tokens.threads[0] == loop_thread) is inline
     assert tokens.threads[1] != loop_thread
+
+
+# -- one process: a turn's requests reach the batcher together -------------------------------------------
+def _admission(deadline_s: float = 30.0) -> Admission:
+    now = time.monotonic()
+    return Admission("default", 1.0, 1, deadline_s, now + deadline_s, now)
+
+
+@pytest.fixture
+async def local() -> AsyncIterator[tuple[LocalModel, BatcherRig, list[int]]]:
+    rig = BatcherRig(FakeRunner(), max_queued_tokens=12)
+    calls: list[int] = []
+    enqueue_many = rig.batcher.enqueue_many
+
+    def counted(requests: Sequence[Submission], reply: Any) -> list[Any]:
+        calls.append(len(requests))
+        return enqueue_many(requests, reply)
+
+    rig.batcher.enqueue_many = counted  # type: ignore[method-assign]
+    info = ModelInfo(name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8)
+    model = LocalModel(rig.batcher, info, FakeTokens(), device="cpu", metrics=rig.metrics, prompts=None,
+                       calibration=None)
+    yield model, rig, calls
+    model.close()
+    await rig.aclose()
+
+
+async def test_one_process_hands_a_turns_requests_to_the_batcher_at_once_each_answered_its_own(
+    local: tuple[LocalModel, BatcherRig, list[int]],
+) -> None:
+    model, rig, calls = local
+    texts = ["a", "b c", "d"]
+    got = await asyncio.gather(*(model.infer(rig.seqs(t), _admission()) for t in texts))
+    assert calls == [3]  # one hand-over for the turn
+    for t, result in zip(texts, got, strict=True):
+        np.testing.assert_allclose(result.rows[0], rig.runner.expected(t), rtol=1e-6)
+
+
+async def test_in_one_process_a_refusal_reaches_only_its_own_request_and_a_caller_gone_is_never_queued(
+    local: tuple[LocalModel, BatcherRig, list[int]],
+) -> None:
+    model, rig, calls = local
+    gone = model.submit(rig.seqs("gone"), _admission(), OutputKind.POOLED)
+    gone.cancel()  # its caller left before the turn ended
+    small = model.infer(rig.seqs("a"), _admission())
+    huge = model.infer(rig.seqs(" ".join(["word"] * 12)), _admission())  # 14 tokens, past the bound
+    got = await asyncio.gather(small, huge, return_exceptions=True)
+    assert calls == [2]
+    assert not isinstance(got[0], BaseException)
+    np.testing.assert_allclose(got[0].rows[0], rig.runner.expected("a"), rtol=1e-6)
+    assert isinstance(got[1], InvalidRequest) and got[1].code == "request_too_large"
+    assert rig.sample("coalesce_inputs_total") == 1  # "gone" was never computed
