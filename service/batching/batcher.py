@@ -409,24 +409,26 @@ class Batcher:
         if len(requests) < 2 or self._closing:  # (one request: nothing to share between requests)
             return [self._enqueue_or_refusal(r, reply) for r in requests]
         now = time.monotonic()
-        total = inputs = widest = longest = 0
-        shortest = 1 << 30
+        total = inputs = longest = 0
+        widest, shortest = 1, 1 << 30
         oldest, soonest = now, None
         tenants: dict[str, int] = {}
         for r in requests:
-            n = len(r.seqs)
+            seqs = r.seqs
+            n = len(seqs)
+            if n == 1:  # (the common query)
+                tokens = low = high = len(seqs[0])
+            else:
+                lengths = [len(ids) for ids in seqs]
+                tokens, low, high = sum(lengths), min(lengths), max(lengths)
+                if n > widest:
+                    widest = n
             inputs += n
-            if n > widest:
-                widest = n
-            tokens = 0
-            for ids in r.seqs:
-                k = len(ids)
-                tokens += k
-                if k > longest:
-                    longest = k
-                if k < shortest:
-                    shortest = k
             total += tokens
+            if high > longest:
+                longest = high
+            if low < shortest:
+                shortest = low
             if r.arrived is not None and r.arrived < oldest:
                 oldest = r.arrived
             if r.deadline is not None and (soonest is None or r.deadline < soonest):
