@@ -168,8 +168,8 @@ class Admitter:
         (``FairQueue.tokens_ahead`` never counts more than the whole queue), every held token too, every
         input as short and every batch as small as any of them could make it, and every request as old
         as the oldest. False says only that this bound fails: :meth:`admit` then judges each request
-        (some may still be admitted). Sound, not exact (``tests/unit/test_overload.py`` checks it
-        against :meth:`admit`); it spares a message of one-sentence requests a fair-share walk, a wait
+        (some may still be admitted). Sound, not exact (``tests/unit/test_bulk_admission.py`` checks
+        it against :meth:`admit`); it spares a message of one-sentence requests a fair-share walk, a wait
         prediction and a regime update each, which were a third of the engine's CPU per request."""
         cfg, queue, coef = self.config, self._queue, self._cost.coef
         self.regime.capacity = self.capacity()  # (as admit() does: the cost model learns)

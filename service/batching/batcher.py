@@ -436,8 +436,7 @@ class Batcher:
             if r.tenant != DEFAULT_TENANT:
                 tenants[r.tenant] = tenants.get(r.tenant, 0) + tokens
         sched = self.scheduler
-        if not sched.admits_all(total, inputs, shortest, longest, widest, oldest, soonest,
-                                                tenants, now):
+        if not sched.admits_all(total, inputs, shortest, longest, widest, oldest, soonest, tenants, now):
             return [self._enqueue_or_refusal(r, reply) for r in requests]
         out: list[Ticket | CoalesceError] = []
         added: list[tuple[list[Entry], int]] = []
@@ -782,6 +781,12 @@ def _resolve(future: asyncio.Future[RequestResult], _tag: Hashable, outcome: Req
         future.set_result(outcome)
     else:
         future.set_exception(outcome)
+
+
+def settle_tag(tag: Hashable, outcome: RequestResult | CoalesceError) -> None:
+    """A reply for requests whose tag is their caller's future (one process's turn of requests,
+    ``LocalModel``): the outcome into that future, unless it was cancelled."""
+    _resolve(cast("asyncio.Future[RequestResult]", tag), tag, outcome)
 
 
 def refusal_error(refusal: Refusal, model: str) -> CoalesceError:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -32,7 +32,7 @@ from coalesce.kernels.worker import Lane
 
 from .. import tracing
 from ..batching.admit import AdmissionConfig, Refusal, judge_wait
-from ..batching.batcher import Batcher, RequestResult, Submission, Ticket, refusal_error
+from ..batching.batcher import Batcher, RequestResult, Submission, Ticket, refusal_error, settle_tag
 from ..batching.fair import DEFAULT_TENANT
 from ..batching.overload import RetryPacer
 from ..engine.core import Engine, RunnerFactory
@@ -304,7 +304,7 @@ class LocalModel(ServedModel):
         if not live:
             return
         batcher = self._batcher
-        for r, outcome in zip(live, batcher.enqueue_many(live, _settle), strict=True):
+        for r, outcome in zip(live, batcher.enqueue_many(live, settle_tag), strict=True):
             fut = cast("asyncio.Future[RequestResult]", r.tag)
             if isinstance(outcome, CoalesceError):
                 fut.set_exception(outcome)
@@ -425,17 +425,6 @@ class LocalBackend:
 
     def record(self) -> None:
         self._engine.record_capture()
-
-
-def _settle(fut: Hashable, outcome: RequestResult | CoalesceError) -> None:
-    """A ticket's answer into the future :meth:`LocalModel.submit` returned (unless it was cancelled)."""
-    assert isinstance(fut, asyncio.Future)
-    if fut.done():
-        return
-    if isinstance(outcome, RequestResult):
-        fut.set_result(outcome)
-    else:
-        fut.set_exception(outcome)
 
 
 def _withdraw_if_cancelled(batcher: Batcher, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
