@@ -352,10 +352,11 @@ class Batcher:
         ticket = self.enqueue(seqs, partial(_resolve, future), None, tenant=tenant, weight=weight,
                               priority=priority, deadline=deadline, kind=kind, arrived=arrived, link=link)
         if not ticket.done:
-            future.add_done_callback(partial(self._on_future_done, ticket))
+            future.add_done_callback(partial(self.withdraw_if_cancelled, ticket))
         return future
 
-    def _on_future_done(self, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
+    def withdraw_if_cancelled(self, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
+        """A done callback for the future a ticket answers: a cancelled one withdraws the ticket."""
         if fut.cancelled():
             self.withdraw(ticket)
 
@@ -378,19 +379,24 @@ class Batcher:
         before this returns, when every input is cached. :meth:`withdraw` the ticket to drop what has not
         run. Raises the refusal, as ``submit`` does. The engine process answers gateways this way, a
         message's requests at a time (:meth:`enqueue_many`)."""
+        return self._enqueue(Submission(seqs, tag, tenant, weight, priority, deadline, kind, arrived, link),
+                             reply)
+
+    def _enqueue(self, r: Submission, reply: Reply) -> Ticket:
+        """One request admitted on its own (:meth:`enqueue`); raises its refusal."""
         self._refuse_if_closing()
         now = time.monotonic()
-        r = Submission(seqs, tag, tenant, weight, priority, deadline, kind,
-                       now if arrived is None or arrived > now else arrived, link)
+        arrived = now if r.arrived is None or r.arrived > now else r.arrived
+        seqs = r.seqs
         hits, shared, fresh = self._sort(r)
         if fresh:
-            refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], tenant, deadline, now,
-                                           weight=weight, priority=priority, arrived=r.arrived)
+            refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], r.tenant, r.deadline,
+                                           now, weight=r.weight, priority=r.priority, arrived=arrived)
             if refusal is not None:
                 self._metrics.rejected.labels(self.model, refusal.reason).inc()
                 raise refusal_error(refusal, self.model)
         counts = [0, 0, 0]
-        job, entries = self._join(r, reply, hits, shared, fresh, counts)
+        job, entries = self._join(r, arrived, reply, hits, shared, fresh, counts)
         self._count(counts)
         if entries:
             self.scheduler.add(entries, inputs=len(seqs))
@@ -443,10 +449,9 @@ class Batcher:
         counts = [0, 0, 0]
         by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
         for r in requests:
-            if r.arrived is None or r.arrived > now:
-                r = Submission(r.seqs, r.tag, r.tenant, r.weight, r.priority, r.deadline, r.kind, now, r.link)
+            arrived = now if r.arrived is None or r.arrived > now else r.arrived
             hits, shared, fresh = self._sort(r)
-            job, entries = self._join(r, reply, hits, shared, fresh, counts)
+            job, entries = self._join(r, arrived, reply, hits, shared, fresh, counts)
             if entries:
                 added.append((entries, len(r.seqs)))
                 by_class[min(max(r.priority, 0), len(by_class) - 1)] += sum(e.n_tokens for e in entries)
@@ -461,8 +466,7 @@ class Batcher:
 
     def _enqueue_or_refusal(self, r: Submission, reply: Reply) -> Ticket | CoalesceError:
         try:
-            return self.enqueue(r.seqs, reply, r.tag, tenant=r.tenant, weight=r.weight, priority=r.priority,
-                                deadline=r.deadline, kind=r.kind, arrived=r.arrived, link=r.link)
+            return self._enqueue(r, reply)
         except CoalesceError as err:
             return err
 
@@ -488,7 +492,7 @@ class Batcher:
                 fresh[key] = [i]
         return hits, shared, fresh
 
-    def _join(self, r: Submission, reply: Reply, hits: list[tuple[int, np.ndarray]],
+    def _join(self, r: Submission, arrived: float, reply: Reply, hits: list[tuple[int, np.ndarray]],
               shared: list[tuple[int, bytes]], fresh: dict[bytes, list[int]], counts: list[int]
               ) -> tuple[Ticket, list[Entry]]:
         """An admitted request's ticket, and the entries of its new work (for the scheduler to queue):
@@ -512,7 +516,7 @@ class Batcher:
                 if work.entry is not None:
                     self.scheduler.extend_deadline(work.entry, deadline)
         entries = []
-        arrived, tenant, weight, priority = cast(float, r.arrived), r.tenant, r.weight, r.priority
+        tenant, weight, priority = r.tenant, r.weight, r.priority
         for key, positions in fresh.items():
             first = positions[0]
             work = _Work(seqs[first], key, job, first, deadline, priority)

@@ -32,7 +32,7 @@ from coalesce.kernels.worker import Lane
 
 from .. import tracing
 from ..batching.admit import AdmissionConfig, Refusal, judge_wait
-from ..batching.batcher import Batcher, RequestResult, Submission, Ticket, refusal_error, settle_tag
+from ..batching.batcher import Batcher, RequestResult, Submission, refusal_error, settle_tag
 from ..batching.fair import DEFAULT_TENANT
 from ..batching.overload import RetryPacer
 from ..engine.core import Engine, RunnerFactory
@@ -309,7 +309,7 @@ class LocalModel(ServedModel):
             if isinstance(outcome, CoalesceError):
                 fut.set_exception(outcome)
             elif not outcome.done:  # (every input cached: answered already)
-                fut.add_done_callback(partial(_withdraw_if_cancelled, batcher, outcome))
+                fut.add_done_callback(partial(batcher.withdraw_if_cancelled, outcome))
 
 
 class RemoteModel(ServedModel):
@@ -425,11 +425,6 @@ class LocalBackend:
 
     def record(self) -> None:
         self._engine.record_capture()
-
-
-def _withdraw_if_cancelled(batcher: Batcher, ticket: Ticket, fut: asyncio.Future[RequestResult]) -> None:
-    if fut.cancelled():
-        batcher.withdraw(ticket)  # its inputs still waiting are dropped, never computed
 
 
 def _cancel_all(group: list[_Pending]) -> None:
