@@ -11,20 +11,24 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run(code: str, cwd: Path, pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (pythonpath, env.get("PYTHONPATH"))))
     return subprocess.run(
         [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
 
 
 def test_transformers_and_sentence_transformers_import_from_the_repository_root() -> None:
-    # From the root, `kernels/` is importable as a top-level name, and transformers probes for a
-    # package called `kernels` while it starts. Ours must stay harmless to that probe.
+    # From the root (python -c, python -m), the working directory comes first on sys.path, and
+    # transformers probes for a package called `kernels` while it starts (5.25 and later depend on the
+    # hub's `kernels` and import it). Our `kernels/` must never answer that probe as a package.
     code = (
         "import sentence_transformers, transformers\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "assert not is_kernels_available()\n"
+        "import importlib.util\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        f"assert spec is None or not (spec.origin or '').startswith({str(ROOT / 'kernels')!r}), spec\n"
         "import coalesce.kernels.st_runner, coalesce.service.gateway.app\n"
         "print('ok')\n"
     )
@@ -32,6 +36,24 @@ def test_transformers_and_sentence_transformers_import_from_the_repository_root(
         result = run(code, cwd)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == "ok"
+
+
+def test_an_installed_kernels_package_wins_over_the_repository_root(tmp_path: Path) -> None:
+    # The hub's `kernels` (a dependency of transformers 5.25 and later) installed anywhere on the path
+    # must be the `kernels` a process started from the root imports: ours is a namespace portion (no
+    # __init__.py), which any regular package outranks, so `from kernels import X` finds X.
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("CUDAProperties = 'hub'\n")
+    code = (
+        "from kernels import CUDAProperties\n"
+        "assert CUDAProperties == 'hub'\n"
+        "import coalesce.kernels.protocol\n"
+        "print('ok')\n"
+    )
+    result = run(code, ROOT, pythonpath=str(tmp_path / "site"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
 
 
 def test_gateway_does_not_import_torch() -> None:
