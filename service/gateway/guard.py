@@ -389,6 +389,9 @@ async def read_body(request: web.Request, handler: Handler) -> web.StreamRespons
         settings = request.app[SETTINGS]
         if (request.content_length or 0) > settings.max_body_bytes:
             raise body_too_large(settings.max_body_bytes)
+        if request.content.is_eof():  # all of it came with the head (a small body): nothing to wait for
+            await request.read()
+            return await handler(request)
         try:
             async with asyncio.timeout(settings.body_timeout_s):
                 await request.read()
