@@ -49,13 +49,6 @@ from .policy import PaddedCost
 # counts no longer than this.
 HOLD_S = 0.5
 
-# The drain pace (see :meth:`Admitter.drained`): over the last DRAIN_SPAN batches that finished with
-# work waiting, seconds between completions ÷ their measured forwards, once DRAIN_AFTER are in; within
-# DRAIN_BOUNDS (never below 1: it only corrects predictions that run short).
-DRAIN_SPAN = 16
-DRAIN_AFTER = 4
-DRAIN_BOUNDS = (1.0, 3.0)
-
 Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
 
 
@@ -80,9 +73,6 @@ class Admitter:
         self._padded_cost = padded_cost
         self._busy_s = busy_s
         self._padding = 1.0  # padded ÷ real tokens of recent batches
-        self._drain: deque[tuple[float, float]] = deque(maxlen=DRAIN_SPAN)  # (held, forward) seconds
-        self._last_done: float | None = None  # the last completion that left work waiting
-        self.drain_pace = 1.0
         # Requests that passed precheck and are not admitted yet: (when, tokens, priority), oldest first.
         self._held: deque[list[float]] = deque()
         self._held_tokens = [0.0] * len(PRIORITIES)  # held tokens by priority class
@@ -192,7 +182,7 @@ class Admitter:
             return True
         if coef.overhead_s < 0 or coef.per_token_s < 0:
             return False  # (predictions would not grow with the batch: no worst case to take)
-        padding, limit = self._padding, cfg.max_queue_wait_s / 2 / self.drain_pace  # (≤ batch_limit_s)
+        padding, limit = self._padding, self.batch_limit_s
         ahead = queue.tokens + total + self._held_ahead(len(PRIORITIES) - 1, now)
         mean = queue.tokens / queue.items if queue.items else 16.0  # (wait_s's count of an empty queue)
         low, high = min(mean, shortest), max(mean, longest, 1)
@@ -203,12 +193,12 @@ class Admitter:
         per_input = coef.per_token_s * padding * high
         size = max(1, min(size, int((limit - coef.overhead_s) / max(per_input, 1e-9))))
         wait = (self._busy_s(now) + math.ceil(ahead / low / size) * coef.overhead_s
-                + ahead * padding * coef.per_token_s) * self.drain_pace  # (≥ 1: either regime's)
+                + ahead * padding * coef.per_token_s)
         if self.on:
             n = min(cfg.max_batch_size, queue.items + inputs + 1)
             full = self._cost.predict(self._padded_cost(n, math.ceil(high)))
             alone = self._cost.predict(self._padded_cost(1, max(longest, 1)))
-            own = min(full, max(alone, limit)) * self.drain_pace  # batch_s() of any of its inputs, at most
+            own = min(full, max(alone, limit))  # batch_s() of any of its inputs, at most
             if wait > cfg.burst_wait_s or max(0.0, now - arrived) + wait + own > cfg.max_queue_wait_s:
                 return False
         if deadline is not None:
@@ -331,7 +321,7 @@ class Admitter:
         if not self.regime.observe(now):
             return []
         anchor = waiting[0]
-        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens)) * self._pace()
+        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens))
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
         confirmed = self.regime.confirmed(now)  # an overload: what a burst was admitted is held too
@@ -367,9 +357,8 @@ class Admitter:
 
     @property
     def batch_limit_s(self) -> float:
-        """The longest forward a standing queue runs: one that holds the model (the forward at the drain
-        pace) half the wait bound; the other half is the queue."""
-        return self.config.max_queue_wait_s / 2 / self._pace()
+        """The longest batch a standing queue runs: half the wait bound (the other half is the queue)."""
+        return self.config.max_queue_wait_s / 2
 
     def batch_s(self, first: int) -> float:
         """Predicted seconds of the batch a new input of ``first`` tokens would ride in: under load the
@@ -382,32 +371,7 @@ class Admitter:
         longest = max(first, queue.tokens // queue.items if queue.items else 0, 1)
         full = self._cost.predict(self._padded_cost(n, longest))
         alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
-        return min(full, max(alone, self.batch_limit_s)) * self._pace()
-
-    def drained(self, seconds: float | None, now: float, backlog: bool) -> None:
-        """A batch whose forward took ``seconds`` (None: it failed) finished at ``now``; ``backlog``:
-        work still waits.
-
-        Under a standing queue the wait a request is promised is a sum of forwards, but the queue drains
-        at the wall time between one completion and the next while work waits: the forward and whatever
-        holds the model besides (the event loop's turn between batches, a thread's wake-up, answering).
-        The cost model is told the forwards only, so predictions that counted nothing else promised
-        starts the queue did not keep: admitted requests were dropped ``late`` (decoded, tokenised and
-        queued for nothing) or served past the bound. The drain pace — that wall time ÷ the forwards,
-        over the recent batches that finished with work waiting — scales what a standing queue is
-        predicted to wait and to hold the model (:meth:`wait_s`, :meth:`drain_s`, :meth:`batch_s`), and
-        shortens its batches to match (:attr:`batch_limit_s`). A completion after the queue ran dry
-        starts a new run (idle time is not the model's). A slower forward is the cost model's pace, not
-        this one's."""
-        last, self._last_done = self._last_done, now if backlog and seconds is not None else None
-        if last is None or seconds is None or seconds <= 0:
-            return
-        self._drain.append((now - last, seconds))
-        if len(self._drain) >= DRAIN_AFTER:
-            held = math.fsum(t for t, _ in self._drain)
-            forwards = math.fsum(t for _, t in self._drain)
-            lo, hi = DRAIN_BOUNDS
-            self.drain_pace = min(max(held / max(forwards, 1e-12), lo), hi)
+        return min(full, max(alone, self.batch_limit_s))
 
     def dispatched(self, tokens: int, padded: int) -> None:
         """A batch of ``tokens`` real tokens ran as ``padded`` (the cost model's unit): predicted waits
@@ -421,16 +385,11 @@ class Admitter:
         queue = self._queue
         # (Held tokens ahead of an empty queue: inputs of 16 tokens, as capacity() assumes.)
         inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else ahead_tokens / 16
-        return (self._busy_s(now) + self._run_s(inputs, ahead_tokens)) * self._pace()
+        return self._busy_s(now) + self._run_s(inputs, ahead_tokens)
 
     def drain_s(self, now: float) -> float:
         """Predicted seconds until everything already admitted has run."""
-        return (self._busy_s(now) + self._run_s(self._queue.items, self._queue.tokens)) * self._pace()
-
-    def _pace(self) -> float:
-        """What a predicted wait is scaled by: the drain pace under a standing queue (a burst's bound is
-        generous and its wait is not a promise), else 1."""
-        return self.drain_pace if self.regime.standing else 1.0
+        return self._busy_s(now) + self._run_s(self._queue.items, self._queue.tokens)
 
     def _run_s(self, inputs: float, tokens: float) -> float:
         """Seconds to run ``inputs`` waiting inputs of ``tokens`` tokens: padded as recent batches

@@ -359,7 +359,6 @@ class Scheduler:
     def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
         """A dispatched batch finished (``seconds`` None if it failed)."""
         self.inflight -= 1
-        self.admission.drained(seconds, now, self._queue.items > 0)
         if seconds is not None:
             self.cost.observe(padded_tokens, seconds)
         if self.inflight == 0:

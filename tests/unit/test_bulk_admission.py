@@ -48,7 +48,6 @@ def _scheduler(rng: random.Random, now: float) -> Scheduler:
         sched.precheck(rng.randint(1, 50), rng.randint(1, 200), 1, "default", 1.0, rng.randint(0, 2),
                        now - rng.uniform(0.0, 0.3), now)
     sched.regime.standing = rng.random() < 0.5
-    sched.admission.drain_pace = rng.choice([1.0, rng.uniform(1.0, 3.0)])  # (time besides forwards)
     return sched
 
 

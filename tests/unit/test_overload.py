@@ -6,7 +6,6 @@ that honour Retry-After get in, and shedding never refuses the high-priority or 
 from __future__ import annotations
 
 import random
-from itertools import pairwise
 
 import pytest
 from coalesce.service.batching.admit import HOLD_S
@@ -55,9 +54,7 @@ def test_sustained_overload_sheds_the_excess_and_the_admitted_keep_their_latency
     assert share == pytest.approx(1 - 1 / load, abs=0.06)  # about half at 2×, three quarters at 4×
     assert res.pct(0.99) <= TARGET * 1.02  # 2% for the simulated runner's ±5% noise
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # goodput: the model stays busy
-    # It knows it stands, until it drains. (At 4× the regime leaves and re-enters every few tenths of a
-    # second, STRICT covering the gaps: stood at one instant was a matter of phase, not of design.)
-    assert standing_share(res, 2.0, 20.0) >= 0.5 and not regime_at(res, res.end)
+    assert regime_at(res, 10.0) and not regime_at(res, res.end)  # it knows it stands, until it drains
 
 
 def test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves() -> None:
@@ -89,53 +86,6 @@ def test_overload_on_a_machine_slower_than_its_warm_up_sheds_at_the_door_not_lat
     assert res.pct(0.99) <= TARGET * 1.15
     assert res.throughput((2.0, res.end)) >= 0.9 * capacity
     assert res.late <= 0.2 * refused(res), (res.late, dict(res.refused))
-
-
-@pytest.mark.parametrize("seed", [3, 4])
-def test_time_that_holds_the_model_besides_the_forward_is_counted_in_a_standing_queues_promises(
-    seed: int,
-) -> None:
-    # Each batch holds the model half as long again as its forward (the event loop's turn between
-    # batches, answering): the cost model is told the forwards only. 2× what the model really serves
-    # arrives. Predictions of forwards alone promised starts the queue did not keep: about a quarter of
-    # the refusals were admitted requests dropped late (1,101 and 1,121 of about 3,950) and the admitted
-    # p99 was 1.3-1.4× the target. At the drain pace they are refused at the door instead, and the
-    # admitted keep about their latency with the model as busy.
-    stall = 1.5
-    capacity = CAPACITY / stall
-    arrivals = own_flows(poisson(2.0 * capacity, 20.0, random.Random(seed), tokens=TOKENS))
-    res = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall)
-    assert res.late <= 0.1 * refused(res), (res.late, dict(res.refused))
-    assert res.pct(0.99) <= TARGET * 1.15
-    assert res.throughput((2.0, res.end)) >= 0.9 * capacity
-
-
-def test_the_drain_pace_is_wall_time_between_completions_over_forwards_while_work_waits() -> None:
-    sched = _standing_scheduler()
-    adm = sched.admission
-    before = adm.wait_s(10 * TOKENS, 1.0)
-    t = 1.0
-    for _ in range(8):  # forwards of 0.1 s, completions 0.15 s apart, work waiting throughout
-        t += 0.15
-        adm.drained(0.1, t, backlog=True)
-    assert adm.drain_pace == pytest.approx(1.5)
-    assert adm.wait_s(10 * TOKENS, t) == pytest.approx(before * 1.5, rel=1e-9)  # (busy_s is 0 here)
-    assert adm.batch_limit_s == pytest.approx(TARGET / 2 / 1.5)  # the model held half the bound
-    adm.regime.standing = False  # a burst's wait is no promise: not scaled
-    assert adm.wait_s(10 * TOKENS, t) == pytest.approx(before, rel=1e-9)
-    adm.regime.standing = True
-    # Idle time is not the model's: after a completion that left nothing waiting, or a failed batch,
-    # the next completion starts a new run instead of counting the gap.
-    adm.drained(0.1, t + 0.15, backlog=False)
-    adm.drained(0.1, t + 5.0, backlog=True)
-    adm.drained(None, t + 5.2, backlog=True)
-    adm.drained(0.1, t + 9.0, backlog=True)
-    assert adm.drain_pace == pytest.approx(1.5)
-    t += 9.0
-    for _ in range(16):  # completions as fast as the forwards: back to 1 (never below)
-        t += 0.1
-        adm.drained(0.1, t, backlog=True)
-    assert adm.drain_pace == pytest.approx(1.0)
 
 
 def _standing_scheduler() -> Scheduler:
@@ -202,13 +152,6 @@ def test_holds_of_requests_that_never_arrive_lapse() -> None:
 
 def regime_at(res: Result, t: float) -> bool:
     return [standing for at, standing in res.standing if at <= t][-1]
-
-
-def standing_share(res: Result, t0: float, t1: float) -> float:
-    """The share of ``t0``..``t1`` the regime stood."""
-    marks = [*res.standing, (res.end, False)]
-    stood = sum(max(0.0, min(b, t1) - max(a, t0)) for (a, s), (b, _) in pairwise(marks) if s)
-    return stood / (t1 - t0)
 
 
 def test_the_regime_returns_to_good_after_the_overload_and_absorbs_the_next_burst() -> None:
