@@ -236,6 +236,12 @@ def input_key(ids: Sequence[int], kind: OutputKind = OutputKind.POOLED) -> bytes
     return array("i", (_KINDS[kind], *marks(ids), is_raw(ids), *ids)).tobytes()
 
 
+def _arrival(r: Submission, now: float) -> float:
+    """When ``r``'s head arrived, as its wait is counted from (``now`` if unknown or later than ``now``):
+    :meth:`Batcher.enqueue` and :meth:`Batcher.enqueue_many` alike."""
+    return now if r.arrived is None or r.arrived > now else r.arrived
+
+
 class Batcher:
     """Forms and dispatches batches for one model."""
 
@@ -386,7 +392,7 @@ class Batcher:
         """One request admitted on its own (:meth:`enqueue`); raises its refusal."""
         self._refuse_if_closing()
         now = time.monotonic()
-        arrived = now if r.arrived is None or r.arrived > now else r.arrived
+        arrived = _arrival(r, now)
         seqs = r.seqs
         hits, shared, fresh = self._sort(r)
         if fresh:
@@ -449,7 +455,7 @@ class Batcher:
         counts = [0, 0, 0]
         by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
         for r in requests:
-            arrived = now if r.arrived is None or r.arrived > now else r.arrived
+            arrived = _arrival(r, now)
             hits, shared, fresh = self._sort(r)
             job, entries = self._join(r, arrived, reply, hits, shared, fresh, counts)
             if entries:

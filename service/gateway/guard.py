@@ -389,12 +389,12 @@ async def read_body(request: web.Request, handler: Handler) -> web.StreamRespons
         settings = request.app[SETTINGS]
         if (request.content_length or 0) > settings.max_body_bytes:
             raise body_too_large(settings.max_body_bytes)
-        if request.content.is_eof():  # all of it came with the head (a small body): nothing to wait for
-            await request.read()
-            return await handler(request)
         try:
-            async with asyncio.timeout(settings.body_timeout_s):
+            if request.content.is_eof():  # all of it came with the head (a small body): nothing to wait for
                 await request.read()
+            else:
+                async with asyncio.timeout(settings.body_timeout_s):
+                    await request.read()
         except TimeoutError:
             request.app[METRICS].connections_refused.labels("body_timeout").inc()
             raise RequestTimeout(
