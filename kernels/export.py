@@ -191,6 +191,10 @@ def _resolve(model: str) -> tuple[str, str, tuple[str, ...]]:
     if model in ("", "default") or Path(model).resolve() == Path(packaged).resolve():
         return packaged, "all-MiniLM-L6-v2", ("sentence-transformers/all-MiniLM-L6-v2",)
     if Path(model).is_dir():
+        if not any((Path(model) / f).is_file() for f in ("config.json", "modules.json")):
+            # Said before torch and transformers are imported (seconds), not after they fail to load it.
+            raise ExportError(f"model {model!r}: not a model directory (it has no config.json or "
+                              "modules.json)")
         return model, model_name_from_path(model), ()
     if Path(model).exists() or model.startswith((".", "/")) or model.count("/") > 1:
         raise ExportError(f"model {model!r}: not a model directory")

@@ -439,3 +439,5 @@ def test_a_directory_that_is_no_model_fails_with_a_message(tmp_path: Path) -> No
     )
     assert done.returncode == 1
     assert f"model '{tmp_path}'" in done.stderr and "Traceback" not in done.stderr
+    # Said from the directory's files, before torch is imported to try loading it.
+    assert "not a model directory" in done.stderr

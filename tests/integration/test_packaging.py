@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +33,9 @@ def test_transformers_and_sentence_transformers_import_from_the_repository_root(
         "import coalesce.kernels.st_runner, coalesce.service.gateway.app\n"
         "print('ok')\n"
     )
-    for cwd in (ROOT, ROOT / "kernels"):
-        result = run(code, cwd)
+    with ThreadPoolExecutor(2) as pool:  # (both at once: each is seconds of imports on one core)
+        results = list(pool.map(lambda cwd: run(code, cwd), (ROOT, ROOT / "kernels")))
+    for result in results:
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == "ok"
 
