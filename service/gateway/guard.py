@@ -390,11 +390,9 @@ async def read_body(request: web.Request, handler: Handler) -> web.StreamRespons
         if (request.content_length or 0) > settings.max_body_bytes:
             raise body_too_large(settings.max_body_bytes)
         try:
-            if request.content.is_eof():  # all of it came with the head (a small body): nothing to wait for
+            # A body that came whole with the head (a small one) has nothing to wait for: no timer then.
+            async with asyncio.timeout(None if request.content.is_eof() else settings.body_timeout_s):
                 await request.read()
-            else:
-                async with asyncio.timeout(settings.body_timeout_s):
-                    await request.read()
         except TimeoutError:
             request.app[METRICS].connections_refused.labels("body_timeout").inc()
             raise RequestTimeout(
