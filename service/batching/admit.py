@@ -73,9 +73,11 @@ class Admitter:
         self._padded_cost = padded_cost
         self._busy_s = busy_s
         self._padding = 1.0  # padded ÷ real tokens of recent batches
-        # Requests that passed precheck and are not admitted yet: (when, tokens, priority), oldest first.
+        # Requests that passed precheck and are not admitted yet: [when, tokens, priority, tokens per
+        # input], oldest first; tokens shrink as admissions release them (inputs with them, at that size).
         self._held: deque[list[float]] = deque()
         self._held_tokens = [0.0] * len(PRIORITIES)  # held tokens by priority class
+        self._held_inputs = [0.0] * len(PRIORITIES)  # and the inputs they are
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer()
@@ -141,7 +143,7 @@ class Admitter:
         if refusal is None and self.on:
             ahead = self._queue.tokens_ahead(tenant, weight, priority, lengths[0])
             refusal = self._check_wait(lengths[0], total, len(lengths), tenant, weight, priority, now,
-                                       arrived, ahead + self._held_ahead(priority, now))
+                                       arrived, ahead, self._held_ahead(priority, now))
         if refusal is not None or deadline is None:
             return refusal
         if ahead is None or len(lengths) > 1:  # (one input: what is ahead of its first is ahead of all)
@@ -183,9 +185,12 @@ class Admitter:
         if coef.overhead_s < 0 or coef.per_token_s < 0:
             return False  # (predictions would not grow with the batch: no worst case to take)
         padding, limit = self._padding, self.batch_limit_s
-        ahead = queue.tokens + total + self._held_ahead(len(PRIORITIES) - 1, now)
+        held, held_inputs = self._held_ahead(len(PRIORITIES) - 1, now)
+        ahead = queue.tokens + total + held
         mean = queue.tokens / queue.items if queue.items else 16.0  # (wait_s's count of an empty queue)
         low, high = min(mean, shortest), max(mean, longest, 1)
+        if held_inputs > 0:  # (wait_s counts held inputs as they were checked: the shortest counts here)
+            low = min(low, held / held_inputs)
         if low <= 0:
             return False
         # wait_s at its worst: the most inputs ahead, in batches as small as a standing queue runs them.
@@ -230,22 +235,26 @@ class Admitter:
             refusal = self._check_wait(first, total, inputs, tenant, weight, priority, now, arrived)
         if refusal is not None:
             self.regime.asked(total, now)  # it never reaches admit(), which counts the others
-        elif hold and self.on:
-            self._held.append([now, float(total), float(priority)])
+        elif hold and self.on and total > 0:
+            self._held.append([now, float(total), float(priority), total / max(inputs, 1)])
             self._held_tokens[priority] += total
+            self._held_inputs[priority] += max(inputs, 1)
         return refusal
 
-    def _held_ahead(self, priority: int, now: float) -> int:
-        """Held tokens that a request of ``priority`` counts ahead of it: its class's and the more
-        urgent ones' (a lower number), after dropping holds older than :data:`HOLD_S`."""
-        held, limit, by_class = self._held, now - HOLD_S, self._held_tokens
+    def _held_ahead(self, priority: int, now: float) -> tuple[int, float]:
+        """Held tokens that a request of ``priority`` counts ahead of it, and the inputs they are: its
+        class's and the more urgent ones' (a lower number), after dropping holds older than
+        :data:`HOLD_S`."""
+        held, limit, tokens_by, inputs_by = self._held, now - HOLD_S, self._held_tokens, self._held_inputs
         while held and (held[0][0] < limit or held[0][1] <= 0):
-            _, tokens, cls = held.popleft()
-            by_class[int(cls)] -= tokens
+            _, tokens, cls, size = held.popleft()
+            tokens_by[int(cls)] -= tokens
+            inputs_by[int(cls)] -= tokens / size
         if not held:
-            by_class[:] = [0.0] * len(by_class)  # (no rounding left behind)
-            return 0
-        return int(sum(by_class[: priority + 1]))
+            tokens_by[:] = [0.0] * len(tokens_by)  # (no rounding left behind)
+            inputs_by[:] = [0.0] * len(inputs_by)
+            return 0, 0.0
+        return int(sum(tokens_by[: priority + 1])), max(sum(inputs_by[: priority + 1]), 0.0)
 
     def _release(self, tokens: int, priority: int) -> None:
         """A request of ``priority`` and ``tokens`` tokens is being admitted: its hold (the oldest of
@@ -256,25 +265,26 @@ class Admitter:
                 take = min(h[1], left)
                 h[1] -= take
                 self._held_tokens[priority] -= take
+                self._held_inputs[priority] -= take / h[3]
                 left -= take
                 if left <= 0:
                     break
 
     def _check_wait(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
-        now: float, arrived: float | None, ahead: int | None = None,
+        now: float, arrived: float | None, ahead: int | None = None, held: tuple[int, float] | None = None,
     ) -> Refusal | None:
         """Refuse a request whose first input would start later than the regime admits, counting what
-        it waited before admission. ``ahead``: ``tokens_ahead`` of its first input and the held
-        tokens before it, when known."""
+        it waited before admission. ``ahead``: ``tokens_ahead`` of its first input, and ``held``: the
+        held tokens before it and their inputs (:meth:`_held_ahead`), when known."""
         cfg = self.config
         if ahead is None:
             ahead = self._queue.tokens_ahead(tenant, weight, priority, first)
-            ahead += self._held_ahead(priority, now)
-        if ahead == 0:
+        held_tokens, held_inputs = self._held_ahead(priority, now) if held is None else held
+        if ahead + held_tokens == 0:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
-        wait = self.wait_s(ahead, now)
+        wait = self.wait_s(ahead, now, held_tokens, held_inputs)
         verdict = judge_wait(self.regime.observe(now), elapsed, wait, self.batch_s(first), cfg)
         if verdict is None:
             return None
@@ -379,13 +389,19 @@ class Admitter:
         if tokens > 0:
             self._padding += 0.1 * (padded / tokens - self._padding)
 
-    def wait_s(self, ahead_tokens: int, now: float) -> float:
-        """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) have
-        run, after the batches already running."""
+    def wait_s(self, ahead_tokens: int, now: float, held_tokens: int = 0, held_inputs: float = 0.0) -> float:
+        """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) and
+        ``held_tokens`` held ones, ``held_inputs`` inputs, have run, after the batches already running.
+
+        Held inputs count as many as were checked, not as inputs of the queue's mean size or of 16
+        tokens: a thousand-chunk burst arrives held before the queue holds any of it, and counted as
+        16-token inputs its 50-token chunks were three times as many forwards' overheads, a wait half
+        as long again as the burst took, and a refusal of its tail at ``burst_wait_s`` on a machine
+        where it runs in well under that (``test_a_held_burst_of_long_inputs_is_counted_as_its_inputs``)."""
         queue = self._queue
-        # (Held tokens ahead of an empty queue: inputs of 16 tokens, as capacity() assumes.)
+        # (Queued tokens ahead, at the queue's mean size; none queued: inputs of 16 tokens.)
         inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else ahead_tokens / 16
-        return self._busy_s(now) + self._run_s(inputs, ahead_tokens)
+        return self._busy_s(now) + self._run_s(inputs + held_inputs, ahead_tokens + held_tokens)
 
     def drain_s(self, now: float) -> float:
         """Predicted seconds until everything already admitted has run."""

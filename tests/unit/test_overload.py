@@ -150,6 +150,30 @@ def test_holds_of_requests_that_never_arrive_lapse() -> None:
     assert _passes(sched, 1.0 + HOLD_S * 1.01)  # they failed before admission: no longer counted
 
 
+def test_a_held_burst_of_long_inputs_is_counted_as_its_inputs() -> None:
+    # A thousand one-chunk calls of 128 tokens arrive together and are all checked before any is
+    # tokenised, on a GPU-like model whose forward costs mostly its fixed overhead (20 ms a batch, 2 µs
+    # a token): sixteen batches of 64, about 0.6 s. Counted as inputs of 16 tokens, the same held
+    # tokens were eight thousand inputs, 125 batches' overheads, 2.8 s: past a one-second burst bound,
+    # so most of a burst the model serves in 0.6 s was refused.
+    sched = Scheduler(shedding(burst_wait_s=1.0), CostModel(), lambda n, m: n * m)
+    for n in (1, 8, 64):  # as warm-up measures it
+        sched.cost.observe(n * 128, 0.020 + 2e-6 * n * 128)
+    passed = sum(sched.precheck(128, 128, 1, "default", 1.0, 1, 1.0, 1.0) is None for _ in range(1000))
+    assert passed == 1000
+    # Still a bound: twice the burst does not all pass (about 1.7 s of work against the 1 s bound).
+    more = sum(sched.precheck(128, 128, 1, "default", 1.0, 1, 1.0, 1.0) is None for _ in range(2000))
+    assert more < 1000
+    # A request of many inputs is counted as its inputs too: 64 of 128 tokens are one batch, 36 ms (20
+    # ms and 8,192 tokens' 16 ms), so about 28 pass the one-second bound; read as 512 inputs of 16
+    # tokens, each was eight batches, 0.18 s, and 6 passed.
+    many = Scheduler(shedding(burst_wait_s=1.0), CostModel(), lambda n, m: n * m)
+    for n in (1, 8, 64):
+        many.cost.observe(n * 128, 0.020 + 2e-6 * n * 128)
+    passed = sum(many.precheck(128, 64 * 128, 64, "default", 1.0, 1, 1.0, 1.0) is None for _ in range(100))
+    assert 20 < passed < 36
+
+
 def regime_at(res: Result, t: float) -> bool:
     return [standing for at, standing in res.standing if at <= t][-1]
 
