@@ -394,10 +394,11 @@ class Admitter:
         ``held_tokens`` held ones, ``held_inputs`` inputs, have run, after the batches already running.
 
         Held inputs count as many as were checked, not as inputs of the queue's mean size or of 16
-        tokens: a thousand-chunk burst arrives held before the queue holds any of it, and counted as
-        16-token inputs its 50-token chunks were three times as many forwards' overheads, a wait half
-        as long again as the burst took, and a refusal of its tail at ``burst_wait_s`` on a machine
-        where it runs in well under that (``test_a_held_burst_of_long_inputs_is_counted_as_its_inputs``)."""
+        tokens: a burst arrives held, before the queue holds any of it, and on a model whose forward is
+        mostly fixed overhead (a GPU) a thousand 128-token chunks read as 16-token inputs were eight
+        times the forwards, 2.8 s predicted for 0.6 s of work, and most of the burst was refused at
+        ``burst_wait_s`` (``test_a_held_burst_of_long_inputs_is_counted_as_its_inputs``). On a CPU,
+        where a forward is mostly per-token cost, the count moves a prediction by a few per cent."""
         queue = self._queue
         # (Queued tokens ahead, at the queue's mean size; none queued: inputs of 16 tokens.)
         inputs = ahead_tokens * queue.items / queue.tokens if queue.tokens else ahead_tokens / 16

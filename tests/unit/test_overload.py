@@ -161,7 +161,7 @@ def test_a_held_burst_of_long_inputs_is_counted_as_its_inputs() -> None:
         sched.cost.observe(n * 128, 0.020 + 2e-6 * n * 128)
     passed = sum(sched.precheck(128, 128, 1, "default", 1.0, 1, 1.0, 1.0) is None for _ in range(1000))
     assert passed == 1000
-    # Still a bound: twice the burst does not all pass (about 1.7 s of work against the 1 s bound).
+    # Still a bound: of two thousand more, not all pass (the three thousand are 1.7 s of work).
     more = sum(sched.precheck(128, 128, 1, "default", 1.0, 1, 1.0, 1.0) is None for _ in range(2000))
     assert more < 1000
     # A request of many inputs is counted as its inputs too: 64 of 128 tokens are one batch, 36 ms (20
