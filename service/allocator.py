@@ -77,6 +77,7 @@ __all__ = [
     "REEXEC_MARKER",
     "TRIM_EVERY_S",
     "Allocator",
+    "Jemalloc",
     "Trimmer",
     "bound_kernel_caches",
     "find_jemalloc",
@@ -89,7 +90,8 @@ __all__ = [
 
 JEMALLOC_PACKAGE = "libjemalloc2"
 ARENA_MAX = 2  # glibc's arenas when jemalloc is missing (its default is 8 per core)
-TRIM_EVERY_S = 10.0  # glibc: malloc_trim at most this often while batches run, and once after the last
+# malloc_trim (glibc) or a purge (jemalloc) at most this often while batches run, and once after the last
+TRIM_EVERY_S = 10.0
 _M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 # oneDNN's primitive cache and PyTorch's ideep computation cache: the entries each keeps (default 1,024).
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
@@ -203,8 +205,76 @@ def freeze_startup_heap() -> dict[str, float]:
     return {"objects": gc.get_freeze_count(), "ms": round((time.perf_counter() - t0) * 1e3, 1)}
 
 
+MALLCTL_ARENAS_ALL = 4096  # jemalloc's index for "every arena" in mallctl names (MALLCTL_ARENAS_ALL)
+
+
+class Jemalloc:
+    """The two controls of jemalloc (``mallctl``) the engine uses, where the process runs on it.
+
+    Why: our :data:`JEMALLOC_CONF` purges pages unused for a second (``dirty_decay_ms:1000``), and jemalloc
+    purges along a decay curve, a share of the freed pages at every step. The forward frees its
+    activations (tens of MiB for a batch of long inputs) at the end of every batch and allocates them again
+    at the next, so the decay hands those pages back between batches and the next forward faults them in
+    and the kernel zeroes them again: on this project's 2-core CPU a batch of 20-to-60-word chunks ran
+    markedly slower than on glibc, with several times its page faults and system time (longer decays
+    purge as much; only none stops it). :meth:`keep_freed_pages` turns the decay off in the process that
+    runs the forwards, and :class:`Trimmer` purges every arena (:meth:`purge`) every
+    :data:`TRIM_EVERY_S` while batches run and once after the last: what a varying load leaves behind
+    still goes back, at most that long later, and an idle server holds no more than before. The
+    gateways of ``--workers`` keep the decay (they run no forward)."""
+
+    def __init__(self, library: str) -> None:
+        self._mallctl = ctypes.CDLL(library).mallctl
+        self._mallctl.restype = ctypes.c_int
+        self._mallctl.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ]
+
+    def _set_decay(self, name: str, ms: int) -> int:
+        value = ctypes.c_ssize_t(ms)
+        return int(self._mallctl(name.encode(), None, None, ctypes.byref(value), ctypes.sizeof(value)))
+
+    def decay_ms(self, arena: int | None = None) -> int:
+        """The dirty-page decay of ``arena`` (None: the default of arenas created from now on)."""
+        name = "arenas.dirty_decay_ms" if arena is None else f"arena.{arena}.dirty_decay_ms"
+        value, size = ctypes.c_ssize_t(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+        if self._mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+            raise OSError(f"mallctl {name} failed")
+        return value.value
+
+    def arenas(self) -> int:
+        """How many arena indices exist (some may not be initialised yet)."""
+        value, size = ctypes.c_uint(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
+        if self._mallctl(b"arenas.narenas", ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+            return 0
+        return value.value
+
+    def keep_freed_pages(self) -> bool:
+        """No dirty-page decay, for arenas created from now on and for those that exist (an index not
+        initialised yet refuses, and takes the new default when it is). False where the default cannot
+        be set (another jemalloc build)."""
+        if self._set_decay("arenas.dirty_decay_ms", -1) != 0:
+            return False
+        for arena in range(self.arenas()):
+            self._set_decay(f"arena.{arena}.dirty_decay_ms", -1)
+        return True
+
+    def purge(self) -> bool:
+        """Hand every arena's unused pages back to the system now."""
+        return self._mallctl(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
+
+
+def _jemalloc(library: str) -> Jemalloc:
+    return Jemalloc(library)
+
+
 class Trimmer:
-    """Returns the memory glibc holds freed to the system (``malloc_trim``) after batches.
+    """Returns the memory the allocator holds freed to the system after batches (glibc's ``malloc_trim``,
+    or a purge of jemalloc's arenas: see :class:`Jemalloc`).
 
     :meth:`batch_done` (any thread, after each batch; it only sets an event) wakes a thread of its own,
     which waits ``every_s``, then trims, so trims come at most every ``every_s`` while batches run and
@@ -212,8 +282,11 @@ class Trimmer:
     does nothing. A trim takes each arena's lock in turn while it walks that arena, so an allocation
     meanwhile waits for it (a few milliseconds for a heap of hundreds of MiB)."""
 
-    def __init__(self, trim: Callable[[], object], every_s: float = TRIM_EVERY_S) -> None:
+    def __init__(
+        self, trim: Callable[[], object], every_s: float = TRIM_EVERY_S, name: str = "malloc_trim"
+    ) -> None:
         self._trim = trim
+        self._name = name  # its debug log line's event
         self._every = every_s
         self._work = threading.Event()
         self._stop = threading.Event()
@@ -223,11 +296,32 @@ class Trimmer:
 
     @classmethod
     def for_process(cls, mode: str) -> Trimmer | None:
-        """A started trimmer where :func:`prepare` tuned glibc in this process (``mode`` auto or glibc,
-        on glibc, no jemalloc or tcmalloc mapped); None elsewhere (those purge by themselves)."""
-        if mode == "system" or mapped(_self_maps()) is not None or not libc_is_glibc():
+        """A started trimmer for the process that runs the forwards (the engine), or None:
+
+        - glibc tuned by :func:`prepare` (``mode`` auto or glibc, nothing preloaded): ``malloc_trim``;
+        - jemalloc with our :data:`JEMALLOC_CONF` (``mode`` not system, ``MALLOC_CONF`` ours or unset):
+          :meth:`Jemalloc.keep_freed_pages` first, then the trimmer purges every arena;
+        - anything else (``--allocator system``, tcmalloc, an operator's own ``MALLOC_CONF``): None."""
+        if mode == "system":
             return None
-        trimmer = cls(lambda: _libc().malloc_trim(0))
+        found = mapped(_self_maps())
+        if found is None:
+            if not libc_is_glibc():
+                return None
+            trimmer = cls(lambda: _libc().malloc_trim(0))
+        elif found[0] == "jemalloc" and os.environ.get("MALLOC_CONF", JEMALLOC_CONF) == JEMALLOC_CONF:
+            jemalloc = _jemalloc(found[1])
+            if not jemalloc.keep_freed_pages():
+                return None  # a jemalloc without these controls: it keeps its own decay
+            trimmer = cls(jemalloc.purge, name="jemalloc_purge")
+        else:
+            return None
+        from .logs import get_logger  # here, not at import: the re-exec step must stay light
+
+        get_logger("coalesce.allocator").info(
+            "memory_return", how=trimmer._name, every_s=trimmer._every,
+            kept_between_batches=found is not None,
+        )
         trimmer.start()
         return trimmer
 
@@ -252,7 +346,7 @@ class Trimmer:
             released = self._trim()
             self.last_s = time.perf_counter() - t0
             self.trims += 1
-            log.debug("malloc_trim", seconds=round(self.last_s, 4), released=bool(released))
+            log.debug(self._name, seconds=round(self.last_s, 4), released=bool(released))
 
     def close(self) -> None:
         self._stop.set()

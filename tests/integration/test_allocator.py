@@ -108,12 +108,16 @@ async def test_the_default_server_runs_on_jemalloc_where_installed_else_on_tuned
     resident = metric(await metrics_text(s.url), "process_resident_memory_bytes")
     s.stop()
     (line,) = s.allocator_lines()
+    (returned,) = s.lines("memory_return")  # the engine hands freed memory back after batches
     if JEMALLOC is not None:
         assert found == ("jemalloc", JEMALLOC)
         assert (line["allocator"], line["how"], line["malloc_conf"]) == ("jemalloc", "re-exec", JEMALLOC_CONF)
+        # its forwards' freed pages kept between batches, every arena purged every 10 s under load
+        assert (returned["how"], returned["kept_between_batches"]) == ("jemalloc_purge", True)
     else:
         assert found is None
         assert (line["allocator"], line["how"]) == ("glibc", "tuned") and "libjemalloc2" in line["note"]
+        assert (returned["how"], returned["kept_between_batches"]) == ("malloc_trim", False)
     assert resident > 50 << 20  # torch and the model: tens of MiB at least
     # oneDNN's kernel caches bounded before the model's first forward (--cpu-kernel-cache, default 64)
     assert line["kernel_caches"] == {name: os.environ.get(name, "64") for name in KERNEL_CACHE_VARIABLES}

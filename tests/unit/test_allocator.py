@@ -5,6 +5,7 @@ hook, and each process's resident memory in /metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -301,11 +302,8 @@ def test_the_trimmer_trims_after_batches_and_sleeps_while_idle() -> None:
     assert not trimmer._thread.is_alive()
 
 
-def test_the_process_gets_a_trimmer_only_where_glibc_was_tuned(process: Any) -> None:
+def test_the_process_gets_a_trimmer_where_glibc_was_tuned(process: Any) -> None:
     assert Trimmer.for_process("system") is None
-    process.maps = JEMALLOC_MAPS
-    assert Trimmer.for_process("auto") is None
-    process.maps = GLIBC_MAPS
     trimmer = Trimmer.for_process("auto")
     assert trimmer is not None
     try:
@@ -314,6 +312,99 @@ def test_the_process_gets_a_trimmer_only_where_glibc_was_tuned(process: Any) -> 
         assert _wait_for(lambda: ("malloc_trim", (0,)) in process.libc.calls)
     finally:
         trimmer.close()
+    process.glibc = False  # another libc, nothing preloaded: left alone
+    assert Trimmer.for_process("auto") is None
+
+
+class FakeJemalloc:
+    def __init__(self, controls: bool = True) -> None:
+        self.controls = controls
+        self.calls: list[str] = []
+
+    def keep_freed_pages(self) -> bool:
+        self.calls.append("keep")
+        return self.controls
+
+    def purge(self) -> bool:
+        self.calls.append("purge")
+        return True
+
+
+def test_on_jemalloc_with_our_options_the_engine_keeps_freed_pages_and_purges_after_batches(
+    process: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[tuple[str, FakeJemalloc]] = []
+
+    def fake(library: str, controls: bool = True) -> FakeJemalloc:
+        made.append((library, FakeJemalloc(controls)))
+        return made[-1][1]
+
+    monkeypatch.setattr(allocator, "_jemalloc", fake)
+    process.maps = JEMALLOC_MAPS
+    for conf in (None, allocator.JEMALLOC_CONF):  # preloaded with no options, or re-executed with ours
+        if conf is None:
+            monkeypatch.delenv("MALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("MALLOC_CONF", conf)
+        trimmer = Trimmer.for_process("auto")
+        assert trimmer is not None
+        library, jemalloc = made[-1]
+        try:
+            assert library == JEMALLOC and jemalloc.calls == ["keep"]  # before any batch
+            trimmer._every = 0.01
+            trimmer.batch_done()
+            assert _wait_for(lambda: jemalloc.calls == ["keep", "purge"])  # noqa: B023
+            assert process.libc.calls == []  # no malloc_trim on jemalloc
+        finally:
+            trimmer.close()
+    assert Trimmer.for_process("system") is None
+    count = len(made)
+    # An operator's own options are theirs (their decay included), and tcmalloc purges by itself.
+    monkeypatch.setenv("MALLOC_CONF", "dirty_decay_ms:5000")
+    assert Trimmer.for_process("auto") is None
+    monkeypatch.setenv("MALLOC_CONF", allocator.JEMALLOC_CONF)
+    tc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    process.maps = GLIBC_MAPS + f"7f00-7f01 r-xp 00000000 fe:00 1 {tc}\n"
+    assert Trimmer.for_process("auto") is None
+    assert len(made) == count
+    # A jemalloc whose controls refuse keeps its own decay: no trimmer.
+    process.maps = JEMALLOC_MAPS
+    monkeypatch.setattr(allocator, "_jemalloc", lambda library: fake(library, controls=False))
+    assert Trimmer.for_process("auto") is None and made[-1][1].calls == ["keep"]
+
+
+_KEPT_THEN_PURGED = """
+import json, os, numpy as np
+from coalesce.service.allocator import Jemalloc, Trimmer, _self_maps, mapped
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+trimmer = Trimmer.for_process("auto")
+jemalloc = Jemalloc(mapped(_self_maps())[1])
+before = rss()
+block = np.ones(256 << 20, dtype=np.uint8)  # 256 MiB, touched
+del block
+import time; time.sleep(2.5)  # more than our options' one-second decay
+kept = rss()
+ok = jemalloc.purge()
+print(json.dumps({"trimmer": trimmer is not None, "decay": jemalloc.decay_ms(), "before": before,
+                  "kept": kept, "purged": rss(), "ok": ok}))
+trimmer.close()
+"""
+
+
+@pytest.mark.skipif(allocator.find_jemalloc() is None, reason="jemalloc is not installed (libjemalloc2)")
+def test_on_real_jemalloc_freed_pages_stay_until_the_purge_gives_them_back() -> None:
+    library = allocator.find_jemalloc() or ""
+    env = {**os.environ, "LD_PRELOAD": library, "MALLOC_CONF": allocator.JEMALLOC_CONF}
+    out = subprocess.run([sys.executable, "-c", _KEPT_THEN_PURGED], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["trimmer"] and seen["decay"] == -1 and seen["ok"], seen
+    assert seen["kept"] - seen["before"] > 200, seen  # freed, but kept for the next batch: no decay
+    assert seen["purged"] - seen["before"] < 56, seen  # the purge hands it back
 
 
 def test_the_device_thread_reports_every_batch_on_itself() -> None:
