@@ -6,7 +6,10 @@ One ``coalesce serve`` per allocator, in turn on loopback, each with ``--cache-m
 has its own bound; this is about what else grows): glibc's malloc untouched (``--allocator system``),
 glibc tuned as ``auto`` leaves it where jemalloc is missing (``--allocator glibc``: 2 arenas,
 ``malloc_trim`` after batches), jemalloc as ``auto`` runs it where it is installed (``--allocator
-jemalloc``), and tcmalloc preloaded (``--allocator system`` with ``LD_PRELOAD``) when installed, each
+jemalloc``; the engine keeps its forwards' freed pages between batches and purges every 10 s), the
+same jemalloc with its one-second decay throughout (our options under an operator's ``MALLOC_CONF``,
+which the engine leaves alone: as it ran before it kept freed pages), and tcmalloc preloaded
+(``--allocator system`` with ``LD_PRELOAD``) when installed, each
 with oneDNN's kernel caches at the default ``--cpu-kernel-cache 64``; then the default allocator with
 those caches at the libraries' own 1,024 entries (``--cpu-kernel-cache 0``), the behaviour before the
 knob; and, where OpenVINO is installed, an export of the model on ``--backend openvino`` with the
@@ -61,13 +64,18 @@ def configs() -> list[Config]:
     """The allocators this machine can run, glibc untouched first (the baseline), then the default
     allocator with oneDNN's kernel caches at the libraries' defaults, then OpenVINO (where installed)
     bounded and at its plugin's default."""
-    from coalesce.service.allocator import find_jemalloc, library_dirs
+    from coalesce.service.allocator import JEMALLOC_CONF, find_jemalloc, library_dirs
 
     out = [Config("glibc, untouched (`--allocator system`)", ["--allocator", "system"]),
            Config("glibc, 2 arenas + trim (`--allocator glibc`)", ["--allocator", "glibc"])]
     jemalloc = find_jemalloc()
     if jemalloc:
         out.append(Config("jemalloc, re-exec (`--allocator jemalloc`)", ["--allocator", "jemalloc"]))
+        # Our options in another order: an operator's own MALLOC_CONF, which the engine leaves alone, so
+        # the one-second decay runs throughout (what the engine did before it kept freed pages).
+        conf = ",".join(reversed(JEMALLOC_CONF.split(",")))
+        out.append(Config("jemalloc, decay 1 s throughout (an operator's `MALLOC_CONF`)",
+                          ["--allocator", "jemalloc"], {"MALLOC_CONF": conf}))
     tcmalloc = next((p for d in library_dirs() if os.path.isfile(p := os.path.join(d, TCMALLOC))), None)
     if tcmalloc:
         out.append(Config("tcmalloc, preloaded (`--allocator system`)", ["--allocator", "system"],
