@@ -20,6 +20,9 @@ before any thread starts:
    and the engine returns freed memory to the system after batches (``malloc_trim``: see
    :class:`Trimmer`).
 
+On jemalloc with our options, the engine (the process that runs the forwards) turns the dirty-page decay
+off and purges every arena itself after batches instead (:class:`Jemalloc` says why).
+
 ``jemalloc`` does the same but exits, naming the package, where jemalloc cannot be loaded; ``glibc``
 skips the re-exec and tunes glibc; ``system`` leaves malloc as the process started. Every process logs
 what it runs on once, at start-up (the ``allocator`` line).
@@ -215,9 +218,10 @@ class Jemalloc:
     purges along a decay curve, a share of the freed pages at every step. The forward frees its
     activations (tens of MiB for a batch of long inputs) at the end of every batch and allocates them again
     at the next, so the decay hands those pages back between batches and the next forward faults them in
-    and the kernel zeroes them again: on this project's 2-core CPU a batch of 20-to-60-word chunks ran
-    markedly slower than on glibc, with several times its page faults and system time (longer decays
-    purge as much; only none stops it). :meth:`keep_freed_pages` turns the decay off in the process that
+    and the kernel zeroes them again (longer decays purge as much; only none stops it): on this project's
+    2-core CPU a batch of 64 chunks of 20 to 60 words took a hundred times the page faults and fifty
+    times the system time, and ran about a seventh slower (``python -m coalesce.loadtests.alloc_forward``,
+    in BENCHMARKS.md). :meth:`keep_freed_pages` turns the decay off in the process that
     runs the forwards, and :class:`Trimmer` purges every arena (:meth:`purge`) every
     :data:`TRIM_EVERY_S` while batches run and once after the last: what a varying load leaves behind
     still goes back, at most that long later, and an idle server holds no more than before. The
