@@ -219,9 +219,9 @@ class Jemalloc:
     activations (tens of MiB for a batch of long inputs) at the end of every batch and allocates them again
     at the next, so the decay hands those pages back between batches and the next forward faults them in
     and the kernel zeroes them again (longer decays purge as much; only none stops it): on this project's
-    2-core CPU a batch of 64 chunks of 20 to 60 words took a hundred times the page faults and fifty
-    times the system time, and ran about a seventh slower (``python -m coalesce.loadtests.alloc_forward``,
-    in BENCHMARKS.md). :meth:`keep_freed_pages` turns the decay off in the process that
+    2-core CPU a batch of 64 chunks of 20 to 60 words took hundreds of times the page faults and fifty
+    times the system time, and ran a tenth to a seventh slower (``python -m
+    coalesce.loadtests.alloc_forward``, in BENCHMARKS.md). :meth:`keep_freed_pages` turns the decay off in the process that
     runs the forwards, and :class:`Trimmer` purges every arena (:meth:`purge`) every
     :data:`TRIM_EVERY_S` while batches run and once after the last: what a varying load leaves behind
     still goes back, at most that long later, and an idle server holds no more than before. The
