@@ -221,8 +221,8 @@ class Jemalloc:
     and the kernel zeroes them again (longer decays purge as much; only none stops it): on this project's
     2-core CPU a batch of 64 chunks of 20 to 60 words took hundreds of times the page faults and fifty
     times the system time, and ran a tenth to a seventh slower (``python -m
-    coalesce.loadtests.alloc_forward``, in BENCHMARKS.md). :meth:`keep_freed_pages` turns the decay off in the process that
-    runs the forwards, and :class:`Trimmer` purges every arena (:meth:`purge`) every
+    coalesce.loadtests.alloc_forward``, in BENCHMARKS.md). :meth:`keep_freed_pages` turns the decay off
+    in the process that runs the forwards, and :class:`Trimmer` purges every arena (:meth:`purge`) every
     :data:`TRIM_EVERY_S` while batches run and once after the last: what a varying load leaves behind
     still goes back, at most that long later, and an idle server holds no more than before. The
     gateways of ``--workers`` keep the decay (they run no forward)."""
