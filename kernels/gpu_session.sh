@@ -7,10 +7,13 @@
 # Installs the bundle's wheels, writes random weights into its model directory, runs the GPU tests and
 # then gpu_check (correctness, capture cost, latency table, service throughput) against that model.
 #
-# Device time: at most 242 s of script (the step limits below, their kill graces included), about
-# 3-3.5 minutes expected on an H200; the machine's start comes on top. Give the device call a limit of
-# 300 s or more, so that this script's own limits, not the call's, are the ones that fire:
-#     install 15 s, weights 20 s, nvidia-smi 10 s, GPU tests 45 s, gpu_check 140 s (+ 2-3 s kill grace each)
+# Device time: at most 307 s of script (the step limits below, their kill graces included); on the H200
+# of 2026-12-04 the whole script took 118 s (the GPU tests 29 s, gpu_check with three services about
+# 75 s); the machine's start comes on top. Give the device call a limit of 360 s or more, so that this
+# script's own limits, not the call's, are the ones that fire:
+#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 45 s, gpu_check 140 s (+ 2-3 s kill grace each)
+# (install and weights were 15 s and 20 s until a fresh machine's first imports ran past them, silently:
+# a failed step now says which and when, in machine.txt too).
 # gpu_check stops starting work 12 s before its limit (--time-limit-s), and waits at most 40 s for a
 # service to be ready; the service rows that would end past its limit are skipped, saying so.
 #
@@ -28,11 +31,12 @@ mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 started=$SECONDS
 
-timeout -k 2 15 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" "$bundle"/whl/*.whl || exit 1
+step() { echo "gpu_session: $1 failed (exit $2) after $((SECONDS - started)) s" | tee -a "$out/machine.txt"; exit 1; }
+timeout -k 2 40 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$bundle"/whl/*.whl || step install $?
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 model=$(realpath "$bundle/model")
-timeout -k 2 20 "$py" -m coalesce.loadtests.gpu.bundle weights "$model" || exit 1
+timeout -k 2 60 "$py" -m coalesce.loadtests.gpu.bundle weights "$model" || step weights $?
 
 timeout -k 2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
     --format=csv > "$out/machine.txt" 2>&1 || echo "no nvidia-smi" >> "$out/machine.txt"

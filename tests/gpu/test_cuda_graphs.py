@@ -218,7 +218,13 @@ def test_eager_batches_on_cuda_run_at_their_cell(hf: Any) -> None:
     model = _model(hf, torch.float32)
     eager = _engine(model, enabled=False, batch_sizes=(1, 4, 16), seq_lens=(16, 64))
     shapes: list[tuple[int, ...]] = []
-    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    pool = model.pool  # what the engine calls (not ``model(...)``, so a module hook would see nothing)
+
+    def recording_pool(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(ids.shape))
+        return pool(ids, lengths)
+
+    model.pool = recording_pool
     for n, seed in ((3, 11), (1, 12), (5, 13)):
         batch = [seq[:60] for seq in _batch(n, seed=seed)]  # every row fits the 64 bucket
         got = _embed(eager, batch)
