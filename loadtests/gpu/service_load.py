@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import importlib.util
 import json
 import os
 import queue
+import resource
 import signal
 import socket
 import statistics
@@ -42,12 +44,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO
 from urllib.parse import urlsplit
 
+from .. import procs
 from .report import HandlerSwap
 
 _TEXT = "the quick brown fox jumps over the lazy dog"
@@ -91,10 +94,12 @@ def run_service_load(
                 for line in _tail(log_path, 15):
                     emit(f"  | {line}")
                 continue
-            _measure(url, args, emit, deadline)
+            _measure(url, args, emit, deadline, service.proc.pid)
 
 
-def _measure(url: str, args: argparse.Namespace, emit: Callable[[str], None], deadline: float) -> None:
+def _measure(
+    url: str, args: argparse.Namespace, emit: Callable[[str], None], deadline: float, pid: int | None = None
+) -> None:
     try:
         model = _first_model(url)
     except (OSError, ValueError, LookupError) as exc:
@@ -105,8 +110,9 @@ def _measure(url: str, args: argparse.Namespace, emit: Callable[[str], None], de
             emit(f"{clients:>4} clients: skipped, the time limit is near")
             continue
         before = _batches(url)
+        sample = functools.partial(_cpu_by_role, pid) if pid is not None else None
         try:
-            result = _load(url, model, clients, args.service_seconds)
+            result = _load(url, model, clients, args.service_seconds, sample=sample)
         except (RuntimeError, TimeoutError) as exc:
             emit(f"{clients:>4} clients: failed: {exc}")
             continue
@@ -116,7 +122,53 @@ def _measure(url: str, args: argparse.Namespace, emit: Callable[[str], None], de
         p50, p99 = _percentile(result.latencies_ms, 50), _percentile(result.latencies_ms, 99)
         emit(f"{clients:>4} clients: {result.rate:>9,.0f} embeddings/s  p50 {p50:6.1f} ms  "
              f"p99 {p99:6.1f} ms  mean batch {batch}  errors {result.errors}")
+        if result.cpu_s:
+            emit(f"      CPU per request: {cpu_split(result)}")
     emit(f"     GPU memory used: {_gpu_memory()}")
+
+
+def _cpu_by_role(pid: int) -> dict[str, tuple[int, float]]:
+    """The service's process tree's CPU seconds by role: ``engine``, ``gateway``, and ``all`` for a
+    single process (a shell, a supervisor); each as (processes, CPU seconds); and the same of their
+    main threads alone (``engine loop``, ...: the event loop, where a server's Python runs; the other
+    threads run forwards, tokenisers, and on a GPU may spin waiting for the device)."""
+    out: dict[str, tuple[int, float]] = {}
+    for p in procs.tree(pid):
+        try:
+            role, cpu, loop = procs.role(p), procs.cpu_seconds(p), procs.main_thread_cpu_seconds(p)
+        except (OSError, ValueError):
+            continue  # it exited meanwhile
+        for key, seconds in ((role, cpu), (f"{role} loop", loop)):
+            n, total = out.get(key, (0, 0.0))
+            out[key] = (n + 1, total + seconds)
+    return out
+
+
+def cpu_split(result: LoadResult) -> str:
+    """Where the CPU of a row went, per request answered and in cores busy over the clients' run:
+    the service's engine and gateways (or its one process) and the load clients themselves. A process
+    at about 1.00 cores is saturated: it caps the row, whatever the GPU could do."""
+    requests = max(1, len(result.latencies_ms) + result.errors)
+    spent = result.cpu_s
+    engine, gateways = spent.get("engine"), spent.get("gateway")
+
+    def part(name: str, cpu: float, n: int = 1, loop: tuple[int, float] | None = None) -> str:
+        who = f"{name} ×{n}" if n > 1 else name
+        loop_part = f"; event loop {loop[1] / result.window_s / loop[0]:.2f} each" if n > 1 and loop else (
+            f"; event loop {loop[1] / result.window_s:.2f}" if loop else "")
+        return f"{who} {cpu / requests * 1e6:,.0f} µs ({cpu / result.window_s:.2f} cores{loop_part})"
+
+    if engine is not None and gateways is not None:
+        parts = [part("engine", engine[1], loop=spent.get("engine loop")),
+                 part("gateways", gateways[1], gateways[0], spent.get("gateway loop"))]
+    else:  # one process (with whatever shell started it: its loop figure is the busiest main thread's)
+        total = sum(cpu for role, (_, cpu) in spent.items() if role in ("all", "engine", "gateway"))
+        loops = [cpu for role, (_, cpu) in spent.items() if role.endswith(" loop")]
+        parts = [part("service", total, loop=(1, max(loops)) if loops else None)]
+    clients = spent.get("clients")
+    if clients is not None:
+        parts.append(part("clients", clients[1], clients[0]))
+    return ", ".join(parts)
 
 
 def _batches(url: str) -> tuple[float, float]:
@@ -201,6 +253,10 @@ class LoadResult:
     rate: float  # requests answered per second: the sum of each client's own rate
     errors: int
     latencies_ms: list[float]
+    # CPU seconds by role over the run, each as (processes, seconds): the service's (from the clients'
+    # "go" to their results) and the client processes' own ("clients", their whole lives); and that window
+    cpu_s: dict[str, tuple[int, float]] = field(default_factory=dict)
+    window_s: float = 0.0
 
 
 def throughput(done: Sequence[int], elapsed_s: Sequence[float]) -> float:
@@ -209,10 +265,18 @@ def throughput(done: Sequence[int], elapsed_s: Sequence[float]) -> float:
     return sum(d / e for d, e in zip(done, elapsed_s, strict=True) if e > 0)
 
 
-def _load(url: str, model: str, clients: int, seconds: float, procs: int | None = None) -> LoadResult:
-    """``clients`` closed-loop clients for ``seconds``, in ``procs`` processes (default: half the cores)."""
+def _load(
+    url: str, model: str, clients: int, seconds: float, procs: int | None = None,
+    sample: Callable[[], dict[str, tuple[int, float]]] | None = None,
+) -> LoadResult:
+    """``clients`` closed-loop clients for ``seconds``, in ``procs`` processes (default: half the cores);
+    with ``sample`` (the service's CPU by role), the service's CPU from "go" to the results."""
     procs = max(1, min(clients, procs or (os.cpu_count() or 2) // 2))
     shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    children_before = _children_cpu_s()
+    before: dict[str, tuple[int, float]] = {}
+    after: dict[str, tuple[int, float]] = {}
+    went = ended = 0.0
     lines: queue.Queue[tuple[int, str]] = queue.Queue()
     children: list[subprocess.Popen[str]] = []
     try:
@@ -226,19 +290,35 @@ def _load(url: str, model: str, clients: int, seconds: float, procs: int | None 
             assert child.stdin is not None
             child.stdin.write("go\n")
             child.stdin.flush()
+        went = time.monotonic()
+        before = sample() if sample is not None else {}
         reports = _collect(lines, "result", len(children),
                            time.monotonic() + seconds + _REQUEST_TIMEOUT_S + _CLIENTS_READY_S)
+        after = sample() if sample is not None else {}
+        ended = time.monotonic()
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
             child.wait()
     parsed = [json.loads(r) for r in reports]
+    cpu = {role: (n, seconds_ - before.get(role, (0, 0.0))[1]) for role, (n, seconds_) in after.items()}
+    if sample is not None:
+        cpu["clients"] = (len(children), _children_cpu_s() - children_before)
     return LoadResult(
         rate=throughput([d for p in parsed for d in p["done"]], [e for p in parsed for e in p["elapsed"]]),
         errors=sum(e for p in parsed for e in p["errors"]),
         latencies_ms=[x for p in parsed for x in p["latencies_ms"]],
+        cpu_s=cpu,
+        window_s=ended - went,
     )
+
+
+def _children_cpu_s() -> float:
+    """User plus system CPU seconds of this process's reaped children (the client processes, once
+    waited for; the service is reaped only when it stops, after every row)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _client_command(url: str, model: str, threads: int, seconds: float) -> list[str]:

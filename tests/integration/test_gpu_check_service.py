@@ -69,11 +69,19 @@ def test_service_rows_come_from_clients_started_together(tmp_path: Path) -> None
     assert proc.returncode == 0, output
     rows = (out / "service.txt").read_text().splitlines()
     assert rows[0].startswith("service throughput")
-    assert [row.split(":")[0].strip() for row in rows[1:]] == ["1 clients", "3 clients", "GPU memory used"]
-    for row in rows[1:3]:
+    assert [row.split(":")[0].strip() for row in rows[1:]] == [
+        "1 clients", "CPU per request", "3 clients", "CPU per request", "GPU memory used"]
+    for row in rows[1:5:2]:
         rate = float(re.search(r"([\d,]+) embeddings/s", row).group(1).replace(",", ""))  # type: ignore[union-attr]
         assert rate > 0 and row.endswith("errors 0"), row
-    assert rows[3].endswith("- (no nvidia-smi)") or "MiB" in rows[3]
+    for row in rows[2:5:2]:
+        # One service process (the stub) and the client processes (as many as half the cores), each
+        # with the CPU it spent.
+        found = re.fullmatch(r"CPU per request: service ([\d,]+) µs \(([\d.]+) cores; event loop ([\d.]+)\), "
+                             r"clients(?: ×\d)? ([\d,]+) µs \(([\d.]+) cores\)", row.strip())
+        assert found, row
+        assert int(found.group(4).replace(",", "")) > 0  # the clients spend CPU on every request
+    assert rows[5].endswith("- (no nvidia-smi)") or "MiB" in rows[5]
     assert (out / "status.txt").read_text().strip() == "complete: exit 0"
     assert "stub service listening" in (out / "service-1.log").read_text()  # not in gpu_check's output
     assert "stub service listening" not in output
@@ -124,3 +132,15 @@ def test_sigterm_during_the_service_step_stops_the_service_it_started(tmp_path: 
     assert (out / "status.txt").read_text().startswith("stopped in service: SystemExit")
     assert _processes_mentioning(f"service_load client http://127.0.0.1:{pgid}") == []  # no client left
     assert "stub service listening" in (out / "service-1.log").read_text()
+
+
+def test_the_cpu_line_names_what_a_row_spent_by_role() -> None:
+    """A split service: the engine's and the gateways' CPU per request answered and in cores over the
+    clients' run, and each event loop's share (the one at 1.00 caps the row)."""
+    result = service_load.LoadResult(
+        rate=1000.0, errors=0, latencies_ms=[1.0] * 1000, window_s=2.0,
+        cpu_s={"engine": (1, 2.5), "engine loop": (1, 2.0), "gateway": (4, 1.6), "gateway loop": (4, 1.2),
+               "all": (2, 0.01), "all loop": (2, 0.01), "clients": (8, 0.4)})
+    assert service_load.cpu_split(result) == (
+        "engine 2,500 µs (1.25 cores; event loop 1.00), "
+        "gateways ×4 1,600 µs (0.80 cores; event loop 0.15 each), clients ×8 400 µs (0.20 cores)")
