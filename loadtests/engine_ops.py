@@ -43,14 +43,16 @@ from queue import SimpleQueue
 from typing import Any
 
 
-async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> tuple[float, float, str]:
+async def _engine_rounds(
+    jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1
+) -> tuple[float, float, str]:
     """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and the
     profile (if asked)."""
     from coalesce.kernels.worker import BatchOutput
     from coalesce.loadtests.nullmodel import factory
     from coalesce.service.engine import messages as wire
     from coalesce.service.engine.core import Engine
-    from coalesce.service.engine.server import GatewayLink, _offer
+    from coalesce.service.engine.server import GatewayLink, Turn, _offer
     from coalesce.service.metrics import Metrics
     from coalesce.service.settings import Settings
 
@@ -71,8 +73,11 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
 
             model.worker.start = start
     with tempfile.TemporaryDirectory() as tmp:
-        link = GatewayLink(0, wire.endpoint(tmp, 0), engine, metrics)  # (its socket is never bound)
-        link.welcome([_offer(m, settings) for m in engine.models])
+        # One link per gateway (their sockets are never bound); each round each sends one message.
+        turn = Turn(engine)  # shared, as in the engine process
+        links = [GatewayLink(g, wire.endpoint(tmp, g), engine, metrics, turn) for g in range(gateways)]
+        for link in links:
+            link.welcome([_offer(m, settings) for m in engine.models])
         state = {"answered": 0, "target": 0}
         all_in = asyncio.Event()
 
@@ -85,7 +90,8 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
                 if state["answered"] >= state["target"]:
                     all_in.set()
 
-        link._send = sent
+        for link in links:
+            link._send = sent
         # Distinct one-sentence inputs ([CLS] w w [SEP]), so none is deduplicated against another.
         seqs = [[101, 2000 + 37 * j, 2100 + j, 102] for j in range(jobs)]
         sizes = [1 + len(s) for s in seqs]
@@ -99,20 +105,23 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
             return [memoryview(wire.encoder.encode(wire.Submit(batch, sizes))), memoryview(frame.tobytes())]
 
         async def run(msgs: list[list[memoryview]]) -> None:
-            for msg in msgs:
-                state["target"] += jobs
+            for r in range(0, len(msgs), gateways):
+                state["target"] += jobs * gateways
                 all_in.clear()
-                link._on_message(msg)
+                for link, msg in zip(links, msgs[r : r + gateways], strict=True):
+                    link._on_message(msg)
                 await all_in.wait()
 
         def batches() -> float:
             name = engine.models[0].info.name
             return metrics.registry.get_sample_value("coalesce_batches_total", {"model": name}) or 0.0
 
-        await run([message(r * jobs) for r in range(max(rounds // 10, 20))])  # warm-up: the cost model
+        warm = max(rounds // 10, 20) * gateways
+        await run([message(r * jobs) for r in range(warm)])  # warm-up: the cost model
         # settles, caches fill. The measured messages are encoded before the clock starts: that is the
-        # gateway's work, not the engine's.
-        msgs = [message((rounds + r) * jobs) for r in range(rounds)]
+        # gateway's work, not the engine's. (Job ids are unique across the gateways, which is more than
+        # the engine needs: each link keeps its own.)
+        msgs = [message((warm + r) * jobs) for r in range(rounds * gateways)]
         prof = cProfile.Profile() if profile else None
         b0, c0 = batches(), time.process_time()
         if prof is not None:
@@ -121,15 +130,16 @@ async def _engine_rounds(jobs: int, rounds: int, inline: bool, profile: int) -> 
         if prof is not None:
             prof.disable()
         cpu = time.process_time() - c0
-        per_message = (batches() - b0) / rounds
-        link.close()
+        per_message = (batches() - b0) / (rounds * gateways)
+        for link in links:
+            link.close()
     await engine.close()
     text = ""
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
         text = out.getvalue()
-    return cpu / (rounds * jobs) * 1e6, per_message, text
+    return cpu / (rounds * gateways * jobs) * 1e6, per_message, text
 
 
 async def _thread_round_trip(rounds: int) -> float:
@@ -270,7 +280,7 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
     return mine / rounds * 1e6, theirs / rounds * 1e6
 
 
-def measure(jobs: Sequence[int], rounds: int, profile: int = 0) -> dict[str, Any]:
+def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -279,8 +289,8 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0) -> dict[str, Any
     rows = []
     text = ""
     for n in jobs:
-        threaded, per_message, _ = uvloop.run(_engine_rounds(n, rounds, inline=False, profile=0))
-        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, inline=True, profile=0))
+        threaded, per_message, _ = uvloop.run(_engine_rounds(n, rounds, False, 0, gateways))
+        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, True, 0, gateways))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
     hop = uvloop.run(_thread_round_trip(max(rounds, 1000)))
@@ -288,16 +298,19 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0) -> dict[str, Any
     if importlib.util.find_spec("zmq") is not None:
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
-        _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, inline=True, profile=profile))
-    return {"rows": rows, "thread_round_trip_us": hop, "message_round_trip_us": messages, "profile": text,
-            "cpus": os.cpu_count()}
+        _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, True, profile, gateways))
+    return {"rows": rows, "gateways": gateways, "thread_round_trip_us": hop,
+            "message_round_trip_us": messages, "profile": text, "cpus": os.cpu_count()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m coalesce.loadtests.engine_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", default="1,4,16", help="requests per Submit message, comma-separated")
-    p.add_argument("--rounds", type=int, default=2000, help="messages measured per row")
+    p.add_argument("--rounds", type=int, default=2000,
+                   help="rounds measured per row (a message per gateway each)")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateways sending one message each per round, all in one event-loop turn (1)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
@@ -307,10 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvloop.run(_echo(*args.echo))
         return 0
-    figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile)
+    figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways)
     if args.json:
         print(json.dumps(figures))
         return 0
+    if args.gateways > 1:
+        print(f"{args.gateways} gateways, one message each per round, in one event-loop turn")
     print("requests/message  batches/message  threaded µs/request  inline µs/request  hand-off µs/batch")
     for r in figures["rows"]:
         print(f"{r['jobs']:>16}  {r['batches']:>15.2f}  {r['threaded_us']:>19.1f}  {r['inline_us']:>17.1f}  "

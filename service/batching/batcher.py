@@ -410,16 +410,21 @@ class Batcher:
             self._wake.set()
         return job
 
-    def enqueue_many(self, requests: Sequence[Submission], reply: Reply) -> list[Ticket | CoalesceError]:
-        """:meth:`enqueue` for the requests of one message (a gateway's event-loop turn), in order: each
-        one's ticket, or the error that refused it. The same outcome as enqueueing them one after the
+    def enqueue_many(
+        self, requests: Sequence[Submission], reply: Reply | Sequence[Reply]
+    ) -> list[Ticket | CoalesceError]:
+        """:meth:`enqueue` for the requests of one message (a gateway's event-loop turn), or of every
+        gateway's messages of the engine's turn, in order: each one's ticket, or the error that refused
+        it. ``reply`` answers them all, or is a sequence with one per request (requests from several
+        gateways). The same outcome as enqueueing them one after the
         other, paid once for the message where it can be: admission checks the message's worst case
         once (:meth:`.scheduler.Scheduler.admits_all`) and judges request by request only when that
         fails; the queue takes every admitted input in one call; the cache and deduplication counters
         and the owner's wake-up are set once. What stays per request is what must: the cache and
         in-flight lookups of its inputs, its ticket, and its inputs' entries."""
+        replies = [reply] * len(requests) if callable(reply) else reply
         if len(requests) < 2 or self._closing:  # (one request: nothing to share between requests)
-            return [self._enqueue_or_refusal(r, reply) for r in requests]
+            return [self._enqueue_or_refusal(r, f) for r, f in zip(requests, replies, strict=True)]
         now = time.monotonic()
         total = inputs = longest = 0
         widest, shortest = 1, 1 << 30
@@ -449,15 +454,15 @@ class Batcher:
                 tenants[r.tenant] = tenants.get(r.tenant, 0) + tokens
         sched = self.scheduler
         if not sched.admits_all(total, inputs, shortest, longest, widest, oldest, soonest, tenants, now):
-            return [self._enqueue_or_refusal(r, reply) for r in requests]
+            return [self._enqueue_or_refusal(r, f) for r, f in zip(requests, replies, strict=True)]
         out: list[Ticket | CoalesceError] = []
         added: list[tuple[list[Entry], int]] = []
         counts = [0, 0, 0]
         by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
-        for r in requests:
+        for r, f in zip(requests, replies, strict=True):
             arrived = _arrival(r, now)
             hits, shared, fresh = self._sort(r)
-            job, entries = self._join(r, arrived, reply, hits, shared, fresh, counts)
+            job, entries = self._join(r, arrived, f, hits, shared, fresh, counts)
             if entries:
                 added.append((entries, len(r.seqs)))
                 by_class[min(max(r.priority, 0), len(by_class) - 1)] += sum(e.n_tokens for e in entries)

@@ -1,9 +1,10 @@
 """The engine process of ``--workers N``: every model's queue and runner, behind one socket per gateway.
 
 Gateways send jobs (``engine/messages.py``); each goes to its model's batcher exactly as an in-process
-request would, so inputs from every gateway coalesce into the same batches. Results and refusals go
-back in one message per gateway per event-loop turn, with each model's queue attached (a gateway
-refuses a flood before tokenising it on that report).
+request would, so inputs from every gateway coalesce into the same batches. The jobs of every gateway's
+messages read in one event-loop turn are admitted together, and results and refusals go back in one
+message per gateway per turn, with each model's queue attached (a gateway refuses a flood before
+tokenising it on that report), sent together (``Turn``): per-turn work, not per-message work.
 
 Each gateway has its own socket, so its disconnect (a socket event, not a timeout) says which gateway
 died: its queued work is dropped at once, never computed. A message that cannot be decoded, or a job
@@ -45,13 +46,86 @@ _CAPTURE_EVERY_S = 1.0
 _POOLED, _TOKENS = OutputKind.POOLED, OutputKind.TOKENS
 
 
+class Turn:
+    """What the engine does once per event-loop turn for every gateway at once.
+
+    **Admission.** The requests of every gateway's messages that arrived in one turn are admitted
+    together: each model's batcher takes them in one :meth:`Batcher.enqueue_many` call, so admission,
+    the queue's insertion and the owner's wake-up are paid once per turn rather than once per message.
+    Many gateways each sending a message of one or two requests (what a loaded GPU replica sees) cost
+    the engine about what one message of all of them would. The outcome is the one the messages would
+    have had admitted one after the other (``enqueue_many``'s promise); the turn's requests wait for
+    the end of the turn's reads, microseconds. A message that acts on earlier jobs — a cancellation, a
+    gateway's loss — first admits what is waiting (:meth:`admit`), so it finds every job it names.
+
+    **Replies.** Each gateway still gets one ``Results`` message per turn with all its rows, but the
+    queue report they carry is computed once for all of them, and one scheduled call sends them all."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._pending: dict[int, tuple[list[Submission], list[GatewayLink]]] = {}
+        self._admitting = False
+        self._replying: list[GatewayLink] = []
+        self._captured_at = 0.0
+
+    def add(self, model: int, requests: list[Submission], link: GatewayLink) -> None:
+        """``link``'s requests for model ``model``, in order, to admit at the end of the turn."""
+        if model in self._pending:
+            waiting, links = self._pending[model]
+            waiting += requests
+            links += [link] * len(requests)
+        else:
+            self._pending[model] = (requests, [link] * len(requests))
+        if not self._admitting:
+            self._admitting = True
+            asyncio.get_running_loop().call_soon(self.admit)
+
+    def admit(self) -> None:
+        """Admit everything waiting, now (the call scheduled for the end of the turn then finds nothing)."""
+        self._admitting = False
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        models = self._engine.models
+        for index, (requests, links) in pending.items():
+            batcher = models[index].batcher
+            try:
+                outcomes: list[Ticket | CoalesceError] = batcher.enqueue_many(
+                    requests, [link.reply for link in links])
+            except Exception as exc:  # a bug: the turn's callers hear of it rather than wait forever
+                log.exception("admission_failed", model=models[index].info.name)
+                outcomes = [CoalesceError(f"Admission failed: {type(exc).__name__}", code="internal_error")
+                            ] * len(requests)
+            for request, link, outcome in zip(requests, links, outcomes, strict=True):
+                link.admitted(cast(int, request.tag), batcher, outcome)
+
+    def reply_later(self, link: GatewayLink) -> None:
+        """``link`` has answers to send: at the end of this turn, with every other gateway's."""
+        if not self._replying:
+            asyncio.get_running_loop().call_soon(self._send_replies)
+        self._replying.append(link)
+
+    def _send_replies(self) -> None:
+        links, self._replying = self._replying, []
+        now = time.monotonic()
+        queues = [_queue(m.batcher.scheduler, now) for m in self._engine.models]
+        for link in links:
+            link.flush(queues)
+        if now - self._captured_at >= _CAPTURE_EVERY_S:
+            self._captured_at = now
+            self._engine.record_capture()
+
+
 class GatewayLink:
     """The engine's end of one gateway's socket: its jobs in flight and its outgoing replies."""
 
-    def __init__(self, index: int, address: str, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, index: int, address: str, engine: Engine, metrics: Metrics,
+                 turn: Turn | None = None) -> None:
         self.index = index
         self._engine = engine
         self._metrics = metrics
+        self._turn = turn or Turn(engine)  # shared by every gateway's link in the engine process
+        self.reply = self._reply  # (bound once: the turn hands it to the batcher per request)
         self._address = address
         self._link = Link(f"gateway-{index}", self._on_message, on_down=self._on_lost)
         self._jobs: dict[int, tuple[Batcher, Ticket]] = {}  # admitted, not answered yet
@@ -62,7 +136,6 @@ class GatewayLink:
         self._frames: list[Any] = []
         self._failed: list[wire.Failed] = []
         self._flushing = False
-        self._captured_at = 0.0
 
     async def start(self) -> None:
         """Bind this gateway's socket (at once, before the models load: the gateway connects meanwhile)."""
@@ -87,6 +160,7 @@ class GatewayLink:
         if isinstance(msg, wire.Submit):
             self._submit(msg, parts[1:])
         elif isinstance(msg, wire.Cancel):
+            self._turn.admit()  # (a job cancelled in the turn it arrived in is admitted, then withdrawn)
             jobs = self._jobs
             for job_id in msg.ids:
                 held = jobs.pop(job_id, None)
@@ -117,8 +191,8 @@ class GatewayLink:
         except wire.ProtocolError as exc:
             self._refuse(str(exc))
             return
-        # Each model's batcher takes its requests of the message at once (admission judges them
-        # together where it can: Batcher.enqueue_many).
+        # Each model's batcher takes its requests of this turn's messages at once, every gateway's
+        # together (admission judges them together where it can: Turn, Batcher.enqueue_many).
         by_model: dict[int, list[Submission]] = {}
         for job, seqs in zip(msg.jobs, unpacked, strict=True):
             if isinstance(seqs, wire.ProtocolError):
@@ -135,14 +209,16 @@ class GatewayLink:
                 by_model[job.model].append(request)
             else:
                 by_model[job.model] = [request]
-        jobs, reply = self._jobs, self._reply
+        turn = self._turn
         for index, requests in by_model.items():
-            batcher = models[index].batcher
-            for request, outcome in zip(requests, batcher.enqueue_many(requests, reply), strict=True):
-                if isinstance(outcome, CoalesceError):
-                    self._fail(cast(int, request.tag), outcome)
-                elif not outcome.done:  # (every input cached: answered already)
-                    jobs[cast(int, request.tag)] = (batcher, outcome)
+            turn.add(index, requests, self)
+
+    def admitted(self, job_id: int, batcher: Batcher, outcome: Ticket | CoalesceError) -> None:
+        """What the turn's admission made of one of this gateway's jobs."""
+        if isinstance(outcome, CoalesceError):
+            self._fail(job_id, outcome)
+        elif not outcome.done:  # (every input cached: answered already)
+            self._jobs[job_id] = (batcher, outcome)
 
     def _malformed(self, job_id: int, exc: wire.ProtocolError) -> None:
         log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
@@ -171,19 +247,15 @@ class GatewayLink:
     def _schedule_flush(self) -> None:
         if not self._flushing:
             self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._turn.reply_later(self)
 
-    def _flush(self) -> None:
+    def flush(self, queues: list[wire.Queue]) -> None:
+        """This turn's answers in one message, with each model's queue (the same for every gateway)."""
         self._flushing = False
-        now = time.monotonic()
-        queues = [_queue(m.batcher.scheduler, now) for m in self._engine.models]
         msg = wire.Results(self._done, self._failed, queues)
         rows = b"".join(self._frames)
         self._done, self._failed, self._frames = [], [], []
         self._send([wire.encoder.encode(msg), rows])
-        if now - self._captured_at >= _CAPTURE_EVERY_S:
-            self._captured_at = now
-            self._engine.record_capture()
 
     def _send(self, parts: list[Any]) -> None:
         self._link.send(parts)
@@ -191,6 +263,7 @@ class GatewayLink:
     # -- the gateway's life --------------------------------------------------------------------------
     def _on_lost(self) -> None:
         """This socket's peer went away: its gateway died, so its queued work is dropped now."""
+        self._turn.admit()  # (its jobs of this turn too)
         if self._jobs:
             log.warning("gateway_lost", gateway=self.index, dropped_requests=len(self._jobs))
         jobs, self._jobs = self._jobs, {}
@@ -216,7 +289,8 @@ async def _serve_engine(settings: Settings, factory: RunnerFactory | None) -> in
     assert settings.engine_dir is not None
     metrics = Metrics()
     engine = Engine(settings, metrics, factory or default_factory(settings))
-    links = [GatewayLink(i, wire.endpoint(settings.engine_dir, i), engine, metrics)
+    turn = Turn(engine)
+    links = [GatewayLink(i, wire.endpoint(settings.engine_dir, i), engine, metrics, turn)
              for i in range(settings.workers)]
     for link in links:
         await link.start()
