@@ -25,6 +25,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pk.add_argument("out", type=Path, help="bundle directory (replaced), e.g. .gpu")
     pk.add_argument("--repo", type=Path, default=Path.cwd(), help="the checkout to build coalesce from")
     pk.add_argument("--no-wheels", action="store_true", help="the model directory only")
+    bs = sub.add_parser("baseline", help="add an earlier commit's coalesce wheel, for a side-by-side run")
+    bs.add_argument("out", type=Path, help="the bundle directory, e.g. .gpu (the wheel goes to OUT/base)")
+    bs.add_argument("rev", help="the commit to build, e.g. HEAD~1")
+    bs.add_argument("--repo", type=Path, default=Path.cwd(), help="the repository it is in")
     wt = sub.add_parser("weights", help="write random weights into a model directory")
     wt.add_argument("model_dir", type=Path)
     wt.add_argument("--seed", type=int, default=0)
@@ -106,9 +111,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
         wheels = ", ".join(sorted(f.name for f in args.out.glob("whl/*")))
         print(f"{args.out}: {size / 2**20:.1f} MiB; wheels: {wheels or 'none'}")
+    elif args.command == "baseline":
+        wheel = baseline(args.out / "base", args.rev, repo=args.repo)
+        print(f"{args.out / 'base'}: {wheel.name} of {args.rev}")
     else:
         print(write_random_weights(args.model_dir, args.seed))
     return 0
+
+
+def baseline(out: Path, rev: str, *, repo: Path) -> Path:
+    """``out``/coalesce-*.whl built from commit ``rev`` (a temporary worktree): what
+    ``kernels/gpu_ab.sh`` serves beside the current code."""
+    if out.exists():
+        shutil.rmtree(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        git = ["git", "-C", str(repo), "worktree"]
+        subprocess.run([*git, "add", "-q", "--detach", str(tree), rev], check=True)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(out), str(tree)], check=True)
+        finally:
+            subprocess.run([*git, "remove", "--force", str(tree)], check=True)
+    (wheel,) = out.glob("coalesce-*.whl")
+    return wheel
 
 
 if __name__ == "__main__":
