@@ -70,18 +70,27 @@ def _all_ready(url: str, timeout: float = 120.0) -> None:
     raise RuntimeError(f"{url}: not every process became ready")
 
 
-def _engine_ops() -> dict[str, Any]:
+# engine_ops' second run: this many gateways, a message of 1 or 2 requests each, read in one turn
+# (a loaded GPU replica behind many gateways).
+MANY_GATEWAYS = 8
+
+
+def _engine_ops(*flags: str) -> dict[str, Any]:
     """``coalesce.loadtests.engine_ops``' figures (its own process: it runs several event loops)."""
-    out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.engine_ops", "--json"],
+    out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.engine_ops", "--json", *flags],
                          capture_output=True, text=True, timeout=900, check=True).stdout
     figures: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return figures
 
 
-def _remains(ops: dict[str, Any]) -> str:
-    """What the engine's CPU per request is made of, from ``engine_ops``."""
-    rows = [[f"{r['jobs']}", f"{r['batches']:.2f}", f"{r['threaded_us']:,.1f}", f"{r['inline_us']:,.1f}",
+def _remains(ops: dict[str, Any], many: dict[str, Any] | None = None) -> str:
+    """What the engine's CPU per request is made of, from ``engine_ops`` (one gateway), and with
+    ``many`` gateways' messages in each turn."""
+    rows = [[f"1 × {r['jobs']}", f"{r['batches']:.2f}", f"{r['threaded_us']:,.1f}", f"{r['inline_us']:,.1f}",
              f"{r['hand_off_us']:,.1f}"] for r in ops["rows"]]
+    if many is not None:
+        rows += [[f"{many['gateways']} × {r['jobs']}", f"{r['batches']:.2f}", f"{r['threaded_us']:,.1f}",
+                  f"{r['inline_us']:,.1f}", f"{r['hand_off_us']:,.1f}"] for r in many["rows"]]
     trips = ops["message_round_trip_us"]
     assert isinstance(trips, dict)
     messages = "; ".join(f"over {t}: {mine:,.1f} µs here and {theirs:,.1f} µs there"
@@ -91,9 +100,11 @@ def _remains(ops: dict[str, Any]) -> str:
         "own path, `Submit` in and `Results` out, a message of N one-sentence requests at a time, the "
         "forward a constant), CPU per request with the batch run on the device thread as served, and "
         "inline on the event loop (the engine's Python alone; the difference is the hand-off to the "
-        "device thread and back):\n\n"
-        + markdown_table(["requests/message", "batches/message", "threaded µs/request", "inline µs/request",
-                          "hand-off µs/batch"], rows)
+        "device thread and back). G × N: G gateways each send a message of N requests, all read in one "
+        f"event-loop turn (`--gateways {MANY_GATEWAYS} --jobs 1,2`: many gateways' small messages, "
+        "admitted together by the engine's turn):\n\n"
+        + markdown_table(["gateways × requests/message", "batches/message", "threaded µs/request",
+                          "inline µs/request", "hand-off µs/batch"], rows)
         + f"\n\nA bare thread round trip (a call handed to a thread that answers the loop) costs "
         f"{ops['thread_round_trip_us']:,.1f} µs of CPU here; a small message's round trip to another "
         f"process (CPU of each side) {messages}.\n\n"
@@ -160,7 +171,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     gateway_cap = (PROJECTED_CORES - 1) * 1e6 / gateway_us
     ceiling = min(engine_cap, gateway_cap)
 
-    remains = _remains(_engine_ops())
+    remains = _remains(_engine_ops(), _engine_ops("--gateways", str(MANY_GATEWAYS), "--jobs", "1,2"))
     closed = Scenario(
         mode=Mode.CLOSED, concurrency=CLIENTS, duration=max(args.duration / ROUNDS, 5.0), warmup=3.0,
         mix=Mix.SHORT
