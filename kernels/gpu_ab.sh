@@ -14,27 +14,14 @@
 # GPU_AB_WORKERS (default "8 4") lists the --workers values; each is run current, baseline, and the
 # first once more at the end (both servers) when time allows. GPU_AB_CLIENTS: concurrency (256,512).
 set -uo pipefail
-out=${OUT:-gpu-out}
-bundle=${GPU_BUNDLE:-.gpu}
-py=${PYTHON:-python3}
-site=${GPU_SITE:-/tmp/coalesce-site}
+name=gpu_ab
+# shellcheck source=kernels/gpu_lib.sh
+. "$(dirname "$0")/gpu_lib.sh"
 base=${GPU_BASE_SITE:-/tmp/coalesce-base}
-mkdir -p "$out"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-started=$SECONDS
-step() { echo "gpu_ab: $1 failed (exit $2) after $((SECONDS - started)) s" | tee -a "$out/machine.txt"; exit 1; }
-
 [ -n "$(ls "$bundle"/base/coalesce-*.whl 2>/dev/null)" ] || step "finding $bundle/base/coalesce-*.whl" 2
-timeout -k 2 40 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" "$bundle"/whl/*.whl || step install $?
+prepare
 timeout -k 2 20 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$base" "$bundle"/base/coalesce-*.whl || step "baseline install" $?
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-model=$(realpath "$bundle/model")
-timeout -k 2 60 "$py" -m coalesce.loadtests.gpu.bundle weights "$model" || step weights $?
-timeout -k 2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
-    --format=csv > "$out/machine.txt" 2>&1 || echo "no nvidia-smi" >> "$out/machine.txt"
-cat "$out/machine.txt"
 
 # The baseline's package first on its path, the bundle's dependencies after it.
 serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
@@ -51,10 +38,6 @@ timeout -k 3 160 "$py" -m coalesce.loadtests.gpu.check --sections service --out 
     --time-limit-s 148 --service-ready-s 40 --service-seconds 3 --concurrency "${GPU_AB_CLIENTS:-256,512}" \
     "${cmds[@]}" 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
-if [ -s "$out/service.pgid" ]; then
-    kill -KILL -- "-$(cat "$out/service.pgid")" 2>/dev/null
-    echo "killed a service gpu_check left behind (process group $(cat "$out/service.pgid"))"
-    rm -f "$out/service.pgid"
-fi
+reap_service
 echo "gpu_check: exit $check ($(cat "$out/status.txt" 2>/dev/null)); $((SECONDS - started)) s"
 exit $check

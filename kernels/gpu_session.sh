@@ -23,24 +23,10 @@
 # services' logs (service-1.log, service-2.log) and gpu-check.err (progress and warnings).
 # GPU_CHECK_ARGS adds gpu_check flags, last, so they override (a CPU dry run: GPU_CHECK_ARGS="--device cpu ...").
 set -uo pipefail
-out=${OUT:-gpu-out}
-bundle=${GPU_BUNDLE:-.gpu}
-py=${PYTHON:-python3}
-site=${GPU_SITE:-/tmp/coalesce-site}
-mkdir -p "$out"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-started=$SECONDS
-
-step() { echo "gpu_session: $1 failed (exit $2) after $((SECONDS - started)) s" | tee -a "$out/machine.txt"; exit 1; }
-timeout -k 2 40 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" "$bundle"/whl/*.whl || step install $?
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-model=$(realpath "$bundle/model")
-timeout -k 2 60 "$py" -m coalesce.loadtests.gpu.bundle weights "$model" || step weights $?
-
-timeout -k 2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
-    --format=csv > "$out/machine.txt" 2>&1 || echo "no nvidia-smi" >> "$out/machine.txt"
-cat "$out/machine.txt"
+name=gpu_session
+# shellcheck source=kernels/gpu_lib.sh
+. "$(dirname "$0")/gpu_lib.sh"
+prepare
 
 # -v: one line per test as it finishes, so a kill keeps the verdicts so far.
 COALESCE_GPU_MODEL="$model" timeout -k 3 45 "$py" -m pytest -m gpu tests/gpu -v --tb=short \
@@ -61,12 +47,6 @@ timeout -k 3 140 "$py" -m coalesce.loadtests.gpu.check --st-model "$model" --out
     --service-cmd "$serve --workers ${GPU_WORKERS:-4}" --service-cmd "$serve --workers ${GPU_WORKERS_MAX:-8}" \
     ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
-# gpu_check stops its service on exit and on SIGTERM; after a SIGKILL (the kill grace ran out) the
-# service, in its own session, would outlive it: its process group id is left behind for this.
-if [ -s "$out/service.pgid" ]; then
-    kill -KILL -- "-$(cat "$out/service.pgid")" 2>/dev/null
-    echo "killed a service gpu_check left behind (process group $(cat "$out/service.pgid"))"
-    rm -f "$out/service.pgid"
-fi
+reap_service
 echo "gpu tests: exit $tests; gpu_check: exit $check ($(cat "$out/status.txt" 2>/dev/null)); $((SECONDS - started)) s"
 exit $(( tests || check ))
