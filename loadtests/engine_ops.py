@@ -1,13 +1,17 @@
 """Where the engine's CPU per request goes, without sockets, HTTP or a model.
 
-    python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--rounds 2000] [--profile N] [--json]
+    python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--gateways G] [--rounds 2000] [--profile N]
+                                            [--json]
 
 The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
 ``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
 message) driven in one process: each round hands the link one ``Submit`` of ``--jobs`` one-sentence
 requests (distinct inputs, no result cache, the packaged model's tokenizer and facts, the forward a
 constant — ``coalesce.loadtests.nullmodel``), and the next round starts when the answers of all of them
-have been "sent" (encoded, then dropped). CPU per request (every thread of the process), two ways:
+have been "sent" (encoded, then dropped). With ``--gateways G``, G links share the engine's ``Turn`` as
+in the engine process, and each round each of them hands over its message in the same event-loop turn
+(many gateways' small messages, what a loaded GPU replica sees). CPU per request (every thread of the
+process), two ways:
 
 * **threaded**: the batch goes to the device thread and back, as in ``coalesce serve``;
 * **inline**: the same batch run on the event loop's thread, its answer scheduled with ``call_soon``:
