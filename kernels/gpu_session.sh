@@ -34,8 +34,9 @@ COALESCE_GPU_MODEL="$model" timeout -k 3 45 "$py" -m pytest -m gpu tests/gpu -v 
 tests=$?
 
 # gpu_check writes each section to $out as it goes; the services it starts log to $out/service-N.log.
-# The service runs three times: one process, then 4 and 8 gateways in front of one engine process
-# (--workers): one event loop caps small requests/s, and the engine's one queue keeps batches whole.
+# The service runs three times: one process, then `--workers auto` (4 gateways on a 16-core GPU host: the
+# CPU line's "gateways ×N" says what it chose there) and 8 gateways, in front of one engine process:
+# one event loop caps small requests/s, and the engine's one queue keeps batches whole.
 # Each row gives throughput, mean batch size, and the GPU memory in use. A short start-up capture
 # budget: cells not captured by then are captured lazily under load.
 serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
@@ -44,7 +45,7 @@ serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 
 timeout -k 3 140 "$py" -m coalesce.loadtests.gpu.check --st-model "$model" --out "$out" \
     --time-limit-s 128 --service-ready-s 40 --capture-budget-s 10 --seconds-per-case 0.25 \
     --service-seconds 3 --concurrency 64,256 --service-cmd "$serve" \
-    --service-cmd "$serve --workers ${GPU_WORKERS:-4}" --service-cmd "$serve --workers ${GPU_WORKERS_MAX:-8}" \
+    --service-cmd "$serve --workers ${GPU_WORKERS:-auto}" --service-cmd "$serve --workers ${GPU_WORKERS_MAX:-8}" \
     ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
 reap_service

@@ -64,6 +64,12 @@ def _serve(argv: list[str]) -> int:
     process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
     configure(settings.log_level, settings.log_format, process)
     get_logger("coalesce.allocator").info("allocator", **memory.fields(), kernel_caches=kernel_caches)
+    if settings.workers == settings_mod.WORKERS_AUTO:  # (the supervisor passes its children a count)
+        import dataclasses
+
+        workers, why = settings_mod.auto_workers(settings)
+        settings = dataclasses.replace(settings, workers=workers)
+        get_logger("coalesce.workers").info("workers_auto", workers=workers, why=why)
     # Logging is set (the loaders log), the rest of the server not yet imported: the models start loading
     # on a thread of their own while it is (engine/preload.py).
     from .engine import preload

@@ -70,6 +70,77 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     return values
 
 
+# --workers auto: its value until the server decides it (auto_workers), and the most gateways it picks
+# (on a 16-core H200 host four gateways served as many requests as eight: BENCHMARKS.md, GPU section).
+WORKERS_AUTO = -1
+AUTO_WORKERS_MAX = 4
+
+
+def parse_workers(raw: str) -> int:
+    """``--workers``: a count, or ``auto`` (:data:`WORKERS_AUTO`, decided at start: :func:`auto_workers`)."""
+    return WORKERS_AUTO if raw.strip().lower() == "auto" else int(raw)
+
+
+def _nvidia_driver() -> bool:
+    """An NVIDIA driver is loaded and a GPU is visible to this container (without importing anything)."""
+    return os.path.exists("/proc/driver/nvidia/version") or any(
+        name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
+
+
+def _torch_cuda_build() -> bool:
+    """The installed torch is a CUDA build (its ``version.py`` names a CUDA version; torch not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        with open(os.path.join(next(iter(spec.submodule_search_locations)), "version.py")) as f:
+            return names_cuda(f.read())
+    except OSError:
+        return False
+
+
+def names_cuda(version_py: str) -> bool:
+    """Whether torch's ``version.py`` text names a CUDA version (``cuda: Optional[str] = '13.0'``)."""
+    import re
+
+    found = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(\S+)", version_py, flags=re.M)
+    return found is not None and found.group(1) != "None"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_workers(s: Settings, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """What ``--workers auto`` means here, and why: :data:`AUTO_WORKERS_MAX` gateways (at most half the
+    cores; 1 below 4 cores) when the models will run on a CUDA device — ``--device cuda``, or ``auto``
+    with an NVIDIA driver, a visible GPU and a CUDA build of torch — else 1 (on a CPU the gateways would
+    take cores from the forward). Decided from files, so the supervisor starts without importing torch."""
+    env = os.environ if environ is None else environ
+    if s.device == "cpu":
+        return 1, "--device cpu"
+    if s.backend in ("onnx", "openvino"):
+        return 1, f"--backend {s.backend} runs on the CPU"
+    if not s.device.startswith("cuda"):
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None and visible.strip() in ("", "-1"):
+            return 1, "CUDA_VISIBLE_DEVICES hides every GPU"
+        if not _nvidia_driver():
+            return 1, "no NVIDIA GPU visible"
+        if not _torch_cuda_build():
+            return 1, "torch is not a CUDA build"
+    cores = _cores()
+    n = min(AUTO_WORKERS_MAX, cores // 2)
+    if n < 2:
+        return 1, f"a CUDA device, but {cores} cores"
+    return n, f"a CUDA device and {cores} cores"
+
+
 def _knob(help_text: str, **kw: Any) -> Any:
     """A dataclass field that is also a command-line flag and an environment variable."""
     default = kw.pop("default")
@@ -442,8 +513,11 @@ class Settings:
         "the models and their queues, so inputs from every gateway still coalesce into the same "
         "batches. One event loop tops out near a thousand small requests per second per core, so a fast "
         "GPU needs several gateways; on a small CPU keep 1 (the processes take cores from the model). "
+        f"auto: {AUTO_WORKERS_MAX} (at most half the cores) when a CUDA device will run the models, else "
+        "1; decided without importing torch, and logged (workers_auto). "
         "One scrape of any gateway reports the whole replica.",
         default=1,
+        parse=parse_workers,
     )
     runner_factory: str | None = _knob(
         "MODULE:CALLABLE that builds each model's runner from its spec, instead of loading it (tests "
@@ -661,8 +735,8 @@ def _validate(s: Settings) -> None:
         problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
     if not 0 <= s.pipeline_depth <= 4:
         problems.append("pipeline_depth must be 0..4")
-    if not 1 <= s.workers <= 64:
-        problems.append("workers must be 1..64")
+    if not (1 <= s.workers <= 64 or s.workers == WORKERS_AUTO):
+        problems.append("workers must be auto or 1..64")
     if s.role not in ("all", "engine", "gateway"):
         problems.append("role must be all, engine or gateway")
     if s.runner_factory is not None and ":" not in s.runner_factory:

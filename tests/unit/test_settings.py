@@ -81,3 +81,63 @@ def test_a_worker_runs_the_supervisors_flags_as_one_process_on_a_shared_port() -
     assert build(environ={"COALESCE_WORKERS": "3"}).workers == 3
     with pytest.raises(SystemExit, match="workers"):
         build(["--workers", "0"])
+
+
+def test_workers_auto_is_decided_at_start_and_its_children_get_the_count() -> None:
+    from coalesce.service.gateway.workers import child_command
+    from coalesce.service.settings import WORKERS_AUTO
+
+    assert build(["--workers", "auto"]).workers == WORKERS_AUTO
+    assert build(environ={"COALESCE_WORKERS": "AUTO"}).workers == WORKERS_AUTO
+    # The supervisor's children get the count it decided, after the operator's flags (the last wins).
+    gateway = build(child_command(["--workers", "auto"], "gateway", "/run/x", 4, 1)[4:])
+    assert gateway.workers == 4
+    with pytest.raises(SystemExit, match="workers"):
+        build(["--workers", "-2"])
+
+
+@pytest.fixture
+def gpu_host(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A 16-core host with an NVIDIA GPU and a CUDA build of torch (detection mocked: no test may depend
+    on what this machine has); each test takes away what it needs to."""
+    from coalesce.service import settings as settings_mod
+
+    monkeypatch.setattr(settings_mod, "_nvidia_driver", lambda: True)
+    monkeypatch.setattr(settings_mod, "_torch_cuda_build", lambda: True)
+    monkeypatch.setattr(settings_mod, "_cores", lambda: 16)
+    return monkeypatch
+
+
+def test_workers_auto_starts_gateways_only_where_a_gpu_runs_the_models(gpu_host: pytest.MonkeyPatch) -> None:
+    from coalesce.service import settings as settings_mod
+    from coalesce.service.settings import auto_workers
+
+    def decide(*flags: str, **env: str) -> tuple[int, str]:
+        return auto_workers(build(["--workers", "auto", *flags], environ={}), env)
+
+    assert decide() == (4, "a CUDA device and 16 cores")
+    assert decide("--device", "cuda:1")[0] == 4
+    assert decide("--device", "cpu") == (1, "--device cpu")
+    assert decide("--backend", "onnx", "--device", "auto")[0] == 1
+    assert decide(CUDA_VISIBLE_DEVICES="") == (1, "CUDA_VISIBLE_DEVICES hides every GPU")
+    assert decide(CUDA_VISIBLE_DEVICES="-1")[0] == 1
+    assert decide(CUDA_VISIBLE_DEVICES="0")[0] == 4
+    gpu_host.setattr(settings_mod, "_cores", lambda: 6)
+    assert decide()[0] == 3  # at most half the cores
+    gpu_host.setattr(settings_mod, "_cores", lambda: 3)
+    assert decide() == (1, "a CUDA device, but 3 cores")
+    gpu_host.setattr(settings_mod, "_cores", lambda: 16)
+    gpu_host.setattr(settings_mod, "_torch_cuda_build", lambda: False)
+    assert decide() == (1, "torch is not a CUDA build")
+    assert decide("--device", "cuda")[0] == 4  # asked for plainly: no guessing
+    gpu_host.setattr(settings_mod, "_nvidia_driver", lambda: False)
+    assert decide() == (1, "no NVIDIA GPU visible")
+
+
+def test_a_cuda_build_of_torch_is_read_from_its_version_file() -> None:
+    from coalesce.service.settings import names_cuda
+
+    cpu = "__version__ = '2.13.0+cpu'\ndebug = False\ncuda: Optional[str] = None\nhip: Optional[str] = None\n"
+    gpu = "__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n"
+    old = "__version__ = '1.13.1'\ncuda = '11.7'\n"
+    assert (names_cuda(cpu), names_cuda(gpu), names_cuda(old), names_cuda("")) == (False, True, True, False)
