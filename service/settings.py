@@ -83,8 +83,12 @@ def parse_workers(raw: str) -> int:
 
 def _nvidia_driver() -> bool:
     """An NVIDIA driver is loaded and a GPU is visible to this container (without importing anything)."""
-    return os.path.exists("/proc/driver/nvidia/version") or any(
-        name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return True
+    try:
+        return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
+    except OSError:
+        return False
 
 
 def _torch_cuda_build() -> bool:

@@ -114,6 +114,8 @@ async def _serve(settings: Settings, runner_factory: RunnerFactory | None) -> in
 def run(settings: Settings, argv: Sequence[str] = (), runner_factory: RunnerFactory | None = None) -> int:
     """Serve ``settings``: one process, one of ``--workers``' processes (by ``role``), or, with
     ``workers`` > 1 in the top process, the supervisor of those processes, started from ``argv``."""
+    if settings.workers < 1:  # auto, not decided: `coalesce serve` decides it before anything starts
+        raise ValueError("--workers auto is decided at start-up (settings.auto_workers): pass run() a count")
     if settings.role == "all" and settings.workers > 1:
         from .workers import supervise
 
