@@ -113,11 +113,36 @@ def names_cuda(version_py: str) -> bool:
     return found is not None and found.group(1) != "None"
 
 
-def _cores() -> int:
+def _cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota (a container's
+    CPU limit is a quota, not an affinity: a pod limited to 4 CPUs on a 64-core node sees 64 cores)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def _cgroup_quota(cgroup: str) -> int | None:
+    """The CPU quota in whole cores (rounded up), from cgroup v2's ``cpu.max`` or v1's CFS files; None
+    when there is none."""
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return -(-int(quota) // int(period))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return -(-quota_us // period_us) if quota_us > 0 and period_us > 0 else None
 
 
 def auto_workers(s: Settings, environ: Mapping[str, str] | None = None) -> tuple[int, str]:

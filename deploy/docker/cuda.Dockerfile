@@ -38,7 +38,11 @@ RUN apt-get update \
 # Triton and TorchInductor write kernel caches; keep them under /tmp with the others (see cpu.Dockerfile).
 # LD_PRELOAD/MALLOC_CONF: every process on jemalloc, with the server's options (explained in
 # cpu.Dockerfile); host memory only, CUDA's caching allocator keeps the GPU's.
+# COALESCE_WORKERS=auto: gateway processes in front of the engine when the GPU is there and the
+# container's CPU quota allows (4 at most, half the cores; one process otherwise): on an H200 four
+# gateways served 3.7x one process (BENCHMARKS.md, GPU section). COALESCE_WORKERS=1 for one process.
 ENV PORT=8080 \
+    COALESCE_WORKERS=auto \
     LD_PRELOAD=libjemalloc.so.2 \
     MALLOC_CONF=background_thread:true,narenas:4,dirty_decay_ms:1000,muzzy_decay_ms:0 \
     HF_HUB_OFFLINE=1 \

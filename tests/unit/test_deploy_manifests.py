@@ -963,6 +963,24 @@ def test_cuda_image_starts_from_a_cuda_runtime_base_and_keeps_its_torch() -> Non
     assert "TORCH_INDEX_URL" not in CUDA_DOCKERFILE.read_text()
 
 
+def test_the_cuda_image_decides_its_gateways_and_the_cpu_image_stays_one_process() -> None:
+    """--workers auto in the GPU image (gateways where the GPU and the CPU quota allow: README, GPU
+    section); the CPU image leaves the default one process (gateways would take the forward's cores)."""
+    def env_of(dockerfile: Path) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for instr in parse_dockerfile(dockerfile.read_text()):
+            if instr.keyword == "ENV":
+                env.update(env_pairs(instr.args))
+        return env
+
+    from coalesce.service.settings import WORKERS_AUTO, build
+
+    cuda = env_of(CUDA_DOCKERFILE)
+    assert cuda.get("COALESCE_WORKERS") == "auto"
+    assert build(environ={"COALESCE_WORKERS": cuda["COALESCE_WORKERS"]}).workers == WORKERS_AUTO
+    assert "COALESCE_WORKERS" not in env_of(CPU_DOCKERFILE)
+
+
 def test_images_keep_their_caches_where_the_deployment_mounts_a_writable_volume() -> None:
     mounts = {
         m["mountPath"] for m in k8s("Deployment")["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from coalesce.service.settings import ModelSpec, build, parse_model_spec
 
@@ -141,3 +143,27 @@ def test_a_cuda_build_of_torch_is_read_from_its_version_file() -> None:
     gpu = "__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n"
     old = "__version__ = '1.13.1'\ncuda = '11.7'\n"
     assert (names_cuda(cpu), names_cuda(gpu), names_cuda(old), names_cuda("")) == (False, True, True, False)
+
+
+def test_the_cores_auto_counts_are_capped_by_the_containers_cpu_quota(tmp_path: Path) -> None:
+    """A container's CPU limit is a cgroup quota: a pod limited to 2.5 CPUs counts 3 cores, however many
+    the node has; no quota (v2 ``max``, v1 ``-1``) or no cgroup files leaves the affinity's count."""
+    import os
+
+    from coalesce.service.settings import _cores
+
+    affinity = len(os.sched_getaffinity(0))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert _cores(str(v2)) == min(affinity, 3)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert _cores(str(v2)) == affinity
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cores(str(tmp_path / "v1")) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _cores(str(tmp_path / "v1")) == affinity
+    assert _cores(str(tmp_path / "none")) == affinity
