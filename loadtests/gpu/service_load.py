@@ -50,7 +50,7 @@ from types import FrameType
 from typing import IO
 from urllib.parse import urlsplit
 
-from .. import procs
+from ..procs import cpu_seconds, main_thread_cpu_seconds, role, tree
 from .report import HandlerSwap
 
 _TEXT = "the quick brown fox jumps over the lazy dog"
@@ -133,12 +133,12 @@ def _cpu_by_role(pid: int) -> dict[str, tuple[int, float]]:
     main threads alone (``engine loop``, ...: the event loop, where a server's Python runs; the other
     threads run forwards, tokenisers, and on a GPU may spin waiting for the device)."""
     out: dict[str, tuple[int, float]] = {}
-    for p in procs.tree(pid):
+    for p in tree(pid):
         try:
-            role, cpu, loop = procs.role(p), procs.cpu_seconds(p), procs.main_thread_cpu_seconds(p)
+            kind, cpu, loop = role(p), cpu_seconds(p), main_thread_cpu_seconds(p)
         except (OSError, ValueError):
             continue  # it exited meanwhile
-        for key, seconds in ((role, cpu), (f"{role} loop", loop)):
+        for key, seconds in ((kind, cpu), (f"{kind} loop", loop)):
             n, total = out.get(key, (0, 0.0))
             out[key] = (n + 1, total + seconds)
     return out
@@ -162,8 +162,8 @@ def cpu_split(result: LoadResult) -> str:
         parts = [part("engine", engine[1], loop=spent.get("engine loop")),
                  part("gateways", gateways[1], gateways[0], spent.get("gateway loop"))]
     else:  # one process (with whatever shell started it: its loop figure is the busiest main thread's)
-        total = sum(cpu for role, (_, cpu) in spent.items() if role in ("all", "engine", "gateway"))
-        loops = [cpu for role, (_, cpu) in spent.items() if role.endswith(" loop")]
+        total = sum(cpu for kind, (_, cpu) in spent.items() if kind in ("all", "engine", "gateway"))
+        loops = [cpu for kind, (_, cpu) in spent.items() if kind.endswith(" loop")]
         parts = [part("service", total, loop=(1, max(loops)) if loops else None)]
     clients = spent.get("clients")
     if clients is not None:
@@ -302,7 +302,7 @@ def _load(
                 child.kill()
             child.wait()
     parsed = [json.loads(r) for r in reports]
-    cpu = {role: (n, seconds_ - before.get(role, (0, 0.0))[1]) for role, (n, seconds_) in after.items()}
+    cpu = {kind: (n, spent - before.get(kind, (0, 0.0))[1]) for kind, (n, spent) in after.items()}
     if sample is not None:
         cpu["clients"] = (len(children), _children_cpu_s() - children_before)
     return LoadResult(
