@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -108,14 +109,30 @@ def has_torch_weights(path: str | Path) -> bool:
     return any(any(d.glob(p)) for d in (root, *(s for s in root.iterdir() if s.is_dir())) for p in patterns)
 
 
-def cuda_visible(dev: Path = Path("/dev"), proc: Path = Path("/proc")) -> bool:
-    """Whether torch could run on a CUDA device here, told without importing torch: torch installed,
-    and an NVIDIA driver present (``/dev/nvidia*`` device nodes or ``/proc/driver/nvidia``). A GPU host
-    that hides its devices from this process (``CUDA_VISIBLE_DEVICES=""``) still counts as one: say
-    ``--device cpu`` there."""
-    if importlib.util.find_spec("torch") is None:
+def cuda_visible(dev: Path = Path("/dev"), proc: Path = Path("/proc"),
+                 environ: Mapping[str, str] | None = None, torch_dir: Path | None = None) -> bool:
+    """Whether torch could run on a CUDA device here, told without importing torch: a CUDA build of
+    torch installed (its ``version.py`` names a CUDA version; ``torch_dir``: its package folder, found
+    when not given), an NVIDIA driver present (``/dev/nvidia*`` device nodes or ``/proc/driver/nvidia``),
+    and ``CUDA_VISIBLE_DEVICES`` not hiding every device (``""`` or ``-1``): in each of those cases torch
+    runs on the CPU."""
+    env = os.environ if environ is None else environ
+    if env.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
         return False
-    return (proc / "driver" / "nvidia").exists() or any(dev.glob("nvidia[0-9]*"))
+    if not ((proc / "driver" / "nvidia").exists() or any(dev.glob("nvidia[0-9]*"))):
+        return False
+    if torch_dir is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        torch_dir = Path(next(iter(spec.submodule_search_locations)))
+    try:
+        version = (torch_dir / "version.py").read_text()
+    except OSError:
+        return False
+    # ``cuda: Optional[str] = '13.0'`` in a CUDA build, ``= None`` in a CPU build (``cuda = '11.7'`` of old)
+    found = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(\S+)", version, flags=re.M)
+    return found is not None and found.group(1) != "None"
 
 
 def openvino_installed() -> bool:

@@ -81,89 +81,21 @@ def parse_workers(raw: str) -> int:
     return WORKERS_AUTO if raw.strip().lower() == "auto" else int(raw)
 
 
-def _nvidia_driver() -> bool:
-    """An NVIDIA driver is loaded and a GPU is visible to this container (without importing anything)."""
-    if os.path.exists("/proc/driver/nvidia/version"):
-        return True
-    try:
-        return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
-    except OSError:
-        return False
-
-
-def _torch_cuda_build() -> bool:
-    """The installed torch is a CUDA build (its ``version.py`` names a CUDA version; torch not imported)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    try:
-        with open(os.path.join(next(iter(spec.submodule_search_locations)), "version.py")) as f:
-            return names_cuda(f.read())
-    except OSError:
-        return False
-
-
-def names_cuda(version_py: str) -> bool:
-    """Whether torch's ``version.py`` text names a CUDA version (``cuda: Optional[str] = '13.0'``)."""
-    import re
-
-    found = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(\S+)", version_py, flags=re.M)
-    return found is not None and found.group(1) != "None"
-
-
-def _cores(cgroup: str = "/sys/fs/cgroup") -> int:
-    """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota (a container's
-    CPU limit is a quota, not an affinity: a pod limited to 4 CPUs on a 64-core node sees 64 cores)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    quota = _cgroup_quota(cgroup)
-    return max(1, min(cores, quota)) if quota is not None else cores
-
-
-def _cgroup_quota(cgroup: str) -> int | None:
-    """The CPU quota in whole cores (rounded up), from cgroup v2's ``cpu.max`` or v1's CFS files; None
-    when there is none."""
-    try:
-        with open(os.path.join(cgroup, "cpu.max")) as f:
-            quota, period = f.read().split()[:2]
-        if quota == "max":
-            return None
-        return -(-int(quota) // int(period))
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f:
-            quota_us = int(f.read())
-        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
-            period_us = int(f.read())
-    except (OSError, ValueError):
-        return None
-    return -(-quota_us // period_us) if quota_us > 0 and period_us > 0 else None
-
-
-def auto_workers(s: Settings, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+def auto_workers(s: Settings) -> tuple[int, str]:
     """What ``--workers auto`` means here, and why: :data:`AUTO_WORKERS_MAX` gateways (at most half the
-    cores; 1 below 4 cores) when the models will run on a CUDA device — ``--device cuda``, or ``auto``
-    with an NVIDIA driver, a visible GPU and a CUDA build of torch — else 1 (on a CPU the gateways would
-    take cores from the forward). Decided from files, so the supervisor starts without importing torch."""
-    env = os.environ if environ is None else environ
+    CPUs this process may use, its container's quota included; 1 below 4) when the models will run on a
+    CUDA device — ``--device cuda``, or ``auto`` where torch could (``kernels/onnx_runner.cuda_visible``:
+    a CUDA build, a driver, devices not hidden) — else 1 (on a CPU the gateways would take cores from
+    the forward). Decided without importing torch, so the supervisor starts as fast as before."""
+    from coalesce.kernels.onnx_runner import cpu_allowance, cuda_visible
+
     if s.device == "cpu":
         return 1, "--device cpu"
     if s.backend in ("onnx", "openvino"):
         return 1, f"--backend {s.backend} runs on the CPU"
-    if not s.device.startswith("cuda"):
-        visible = env.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None and visible.strip() in ("", "-1"):
-            return 1, "CUDA_VISIBLE_DEVICES hides every GPU"
-        if not _nvidia_driver():
-            return 1, "no NVIDIA GPU visible"
-        if not _torch_cuda_build():
-            return 1, "torch is not a CUDA build"
-    cores = _cores()
+    if not s.device.startswith("cuda") and not cuda_visible():
+        return 1, "no CUDA device torch could use"
+    cores = cpu_allowance()
     n = min(AUTO_WORKERS_MAX, cores // 2)
     if n < 2:
         return 1, f"a CUDA device, but {cores} cores"

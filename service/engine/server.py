@@ -119,13 +119,11 @@ class Turn:
 class GatewayLink:
     """The engine's end of one gateway's socket: its jobs in flight and its outgoing replies."""
 
-    def __init__(self, index: int, address: str, engine: Engine, metrics: Metrics,
-                 turn: Turn | None = None) -> None:
+    def __init__(self, index: int, address: str, engine: Engine, metrics: Metrics, turn: Turn) -> None:
         self.index = index
         self._engine = engine
         self._metrics = metrics
-        self._turn = turn or Turn(engine)  # shared by every gateway's link in the engine process
-        self.reply = self._reply  # (bound once: the turn hands it to the batcher per request)
+        self._turn = turn  # shared by every gateway's link in the engine process
         self._address = address
         self._link = Link(f"gateway-{index}", self._on_message, on_down=self._on_lost)
         self._jobs: dict[int, tuple[Batcher, Ticket]] = {}  # admitted, not answered yet
@@ -225,7 +223,7 @@ class GatewayLink:
         self._fail(job_id, CoalesceError(f"The gateway sent a malformed job: {exc}", code="protocol_error"))
 
     # -- outgoing ------------------------------------------------------------------------------------
-    def _reply(self, job_id: Hashable, outcome: RequestResult | CoalesceError) -> None:
+    def reply(self, job_id: Hashable, outcome: RequestResult | CoalesceError) -> None:
         """A batcher's answer to one job (never to one withdrawn): into this turn's message."""
         assert isinstance(job_id, int)
         self._jobs.pop(job_id, None)

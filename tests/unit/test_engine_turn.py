@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from array import array
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -62,17 +61,16 @@ class Rig:
 
     def submit(self, gateway: int, ids: list[int], words: int = 1) -> None:
         """One message from ``gateway``: a job per id, ``words`` distinct one-word sequences each."""
-        jobs, sizes, frame = [], [], array("i")
+        jobs, sizes, frames = [], [], []
         deadline = time.monotonic() + 60
         for job_id in ids:
             seqs = [[101, 2000 + 97 * job_id + w, 102] for w in range(words)]
-            jobs.append(wire.Job(job_id, 0, words, False, "default", 1.0, 1, deadline))
-            sizes.append(sum(1 + len(s) for s in seqs))
-            frame.extend([len(s) for s in seqs])  # a job's lengths, then its ids (engine/messages.py)
-            for s in seqs:
-                frame.extend(s)
+            marked, frame = wire.pack_job(seqs)  # as the gateway packs it
+            jobs.append(wire.Job(job_id, 0, words, marked, "default", 1.0, 1, deadline))
+            sizes.append(len(frame) // 4)
+            frames.append(frame)
         self.links[gateway]._on_message([memoryview(wire.encoder.encode(wire.Submit(jobs, sizes))),
-                                         memoryview(frame.tobytes())])
+                                         memoryview(b"".join(frames))])
 
     def cancel(self, gateway: int, ids: list[int]) -> None:
         self.links[gateway]._on_message([memoryview(wire.encoder.encode(wire.Cancel(ids)))])

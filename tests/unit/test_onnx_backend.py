@@ -88,19 +88,48 @@ def test_auto_prefers_openvino_for_an_export_on_cpu_when_it_is_installed(
     assert resolve_backend("auto", str(tmp_path / "export"), "cpu") == "openvino"
 
 
+def _torch(tmp_path: Path, version_py: str) -> Path:
+    """A torch package folder holding only its ``version.py`` (what ``cuda_visible`` reads)."""
+    folder = tmp_path / "torch"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "version.py").write_text(version_py)
+    return folder
+
+
+CUDA_BUILD = "__version__ = '2.11.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\nhip = None\n"
+CPU_BUILD = "__version__ = '2.13.0+cpu'\ndebug = False\ncuda: Optional[str] = None\nhip = None\n"
+
+
 def test_cuda_is_visible_only_with_an_nvidia_driver(tmp_path: Path) -> None:
     dev, proc = tmp_path / "dev", tmp_path / "proc"
     dev.mkdir()
     proc.mkdir()
+    torch = _torch(tmp_path, CUDA_BUILD)
     (dev / "null").touch()
-    assert not cuda_visible(dev, proc)
+    assert not cuda_visible(dev, proc, {}, torch)
     (dev / "nvidiactl").touch()  # the control node alone is no device
-    assert not cuda_visible(dev, proc)
+    assert not cuda_visible(dev, proc, {}, torch)
     (dev / "nvidia0").touch()
-    assert cuda_visible(dev, proc)  # torch is installed in the test environment
+    assert cuda_visible(dev, proc, {}, torch)
     (dev / "nvidia0").unlink()
     (proc / "driver" / "nvidia").mkdir(parents=True)
-    assert cuda_visible(dev, proc)
+    assert cuda_visible(dev, proc, {}, torch)
+
+
+def test_cuda_is_not_visible_to_a_cpu_build_of_torch_or_with_every_device_hidden(tmp_path: Path) -> None:
+    """Torch would run on the CPU in each case: a CPU build, no torch, CUDA_VISIBLE_DEVICES hiding every
+    device. The build is read from torch's version.py (torch not imported), old spelling included."""
+    dev, proc = tmp_path / "dev", tmp_path / "proc"
+    dev.mkdir()
+    proc.mkdir()
+    (dev / "nvidia0").touch()
+    cuda = _torch(tmp_path / "a", CUDA_BUILD)
+    assert cuda_visible(dev, proc, {"CUDA_VISIBLE_DEVICES": "0"}, cuda)
+    assert not cuda_visible(dev, proc, {"CUDA_VISIBLE_DEVICES": ""}, cuda)
+    assert not cuda_visible(dev, proc, {"CUDA_VISIBLE_DEVICES": "-1"}, cuda)
+    assert not cuda_visible(dev, proc, {}, _torch(tmp_path / "b", CPU_BUILD))
+    assert cuda_visible(dev, proc, {}, _torch(tmp_path / "c", "__version__ = '1.13.1'\ncuda = '11.7'\n"))
+    assert not cuda_visible(dev, proc, {}, tmp_path / "no-torch")
 
 
 # -- threads -------------------------------------------------------------------------------------------

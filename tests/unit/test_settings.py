@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from coalesce.service.settings import ModelSpec, build, parse_model_spec
 
@@ -100,70 +98,32 @@ def test_workers_auto_is_decided_at_start_and_its_children_get_the_count() -> No
 
 @pytest.fixture
 def gpu_host(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """A 16-core host with an NVIDIA GPU and a CUDA build of torch (detection mocked: no test may depend
-    on what this machine has); each test takes away what it needs to."""
-    from coalesce.service import settings as settings_mod
+    """A 16-CPU host where torch could use a CUDA device (detection mocked: no test may depend on what
+    this machine has; ``kernels/onnx_runner``'s tests hold the detection itself); each test takes away
+    what it needs to."""
+    from coalesce.kernels import onnx_runner
 
-    monkeypatch.setattr(settings_mod, "_nvidia_driver", lambda: True)
-    monkeypatch.setattr(settings_mod, "_torch_cuda_build", lambda: True)
-    monkeypatch.setattr(settings_mod, "_cores", lambda: 16)
+    monkeypatch.setattr(onnx_runner, "cuda_visible", lambda: True)
+    monkeypatch.setattr(onnx_runner, "cpu_allowance", lambda: 16)
     return monkeypatch
 
 
 def test_workers_auto_starts_gateways_only_where_a_gpu_runs_the_models(gpu_host: pytest.MonkeyPatch) -> None:
-    from coalesce.service import settings as settings_mod
+    from coalesce.kernels import onnx_runner
     from coalesce.service.settings import auto_workers
 
-    def decide(*flags: str, **env: str) -> tuple[int, str]:
-        return auto_workers(build(["--workers", "auto", *flags], environ={}), env)
+    def decide(*flags: str) -> tuple[int, str]:
+        return auto_workers(build(["--workers", "auto", *flags], environ={}))
 
     assert decide() == (4, "a CUDA device and 16 cores")
     assert decide("--device", "cuda:1")[0] == 4
     assert decide("--device", "cpu") == (1, "--device cpu")
     assert decide("--backend", "onnx", "--device", "auto")[0] == 1
-    assert decide(CUDA_VISIBLE_DEVICES="") == (1, "CUDA_VISIBLE_DEVICES hides every GPU")
-    assert decide(CUDA_VISIBLE_DEVICES="-1")[0] == 1
-    assert decide(CUDA_VISIBLE_DEVICES="0")[0] == 4
-    gpu_host.setattr(settings_mod, "_cores", lambda: 6)
-    assert decide()[0] == 3  # at most half the cores
-    gpu_host.setattr(settings_mod, "_cores", lambda: 3)
+    gpu_host.setattr(onnx_runner, "cpu_allowance", lambda: 6)
+    assert decide()[0] == 3  # at most half the CPUs (a container's quota counts: cpu_allowance)
+    gpu_host.setattr(onnx_runner, "cpu_allowance", lambda: 3)
     assert decide() == (1, "a CUDA device, but 3 cores")
-    gpu_host.setattr(settings_mod, "_cores", lambda: 16)
-    gpu_host.setattr(settings_mod, "_torch_cuda_build", lambda: False)
-    assert decide() == (1, "torch is not a CUDA build")
+    gpu_host.setattr(onnx_runner, "cpu_allowance", lambda: 16)
+    gpu_host.setattr(onnx_runner, "cuda_visible", lambda: False)
+    assert decide() == (1, "no CUDA device torch could use")
     assert decide("--device", "cuda")[0] == 4  # asked for plainly: no guessing
-    gpu_host.setattr(settings_mod, "_nvidia_driver", lambda: False)
-    assert decide() == (1, "no NVIDIA GPU visible")
-
-
-def test_a_cuda_build_of_torch_is_read_from_its_version_file() -> None:
-    from coalesce.service.settings import names_cuda
-
-    cpu = "__version__ = '2.13.0+cpu'\ndebug = False\ncuda: Optional[str] = None\nhip: Optional[str] = None\n"
-    gpu = "__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n"
-    old = "__version__ = '1.13.1'\ncuda = '11.7'\n"
-    assert (names_cuda(cpu), names_cuda(gpu), names_cuda(old), names_cuda("")) == (False, True, True, False)
-
-
-def test_the_cores_auto_counts_are_capped_by_the_containers_cpu_quota(tmp_path: Path) -> None:
-    """A container's CPU limit is a cgroup quota: a pod limited to 2.5 CPUs counts 3 cores, however many
-    the node has; no quota (v2 ``max``, v1 ``-1``) or no cgroup files leaves the affinity's count."""
-    import os
-
-    from coalesce.service.settings import _cores
-
-    affinity = len(os.sched_getaffinity(0))
-    v2 = tmp_path / "v2"
-    v2.mkdir()
-    (v2 / "cpu.max").write_text("250000 100000\n")
-    assert _cores(str(v2)) == min(affinity, 3)
-    (v2 / "cpu.max").write_text("max 100000\n")
-    assert _cores(str(v2)) == affinity
-    v1 = tmp_path / "v1" / "cpu"
-    v1.mkdir(parents=True)
-    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    assert _cores(str(tmp_path / "v1")) == 1
-    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    assert _cores(str(tmp_path / "v1")) == affinity
-    assert _cores(str(tmp_path / "none")) == affinity
