@@ -1,0 +1,52 @@
+"""``coalesce.loadtests.pyspy_summary``: what the GPU machine's engine profile (py-spy's folded stacks,
+``kernels/gpu_engine_profile.sh``) is read with here. A recursive frame counts once per sample, a
+sample's own function is its last frame, and shares are of every sample."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from coalesce.loadtests.pyspy_summary import render, summarise
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FOLDED = [
+    "run (asyncio/runners.py:118);_step (/x/site-packages/coalesce/service/batching/batcher.py:580);"
+    "next (/x/site-packages/coalesce/service/batching/scheduler.py:255) 6\n",
+    "run (asyncio/runners.py:118);send (/x/site-packages/coalesce/service/engine/channel.py:160) 3\n",
+    "walk (a.py:1);walk (a.py:2);walk (a.py:3) 1\n",
+    "a line py-spy never writes\n",
+]
+
+
+def test_counts_inclusive_once_per_sample_and_own_at_the_top() -> None:
+    total, inclusive, own = summarise(FOLDED)
+    assert total == 10
+    assert inclusive["run (asyncio/runners.py)"] == 9
+    assert inclusive["walk (a.py)"] == 1  # three frames of one sample: one sample
+    assert own["next (coalesce/service/batching/scheduler.py)"] == 6
+    assert own["send (coalesce/service/engine/channel.py)"] == 3
+    assert "_step (coalesce/service/batching/batcher.py)" not in own
+
+
+def test_render_gives_shares_of_every_sample_most_first() -> None:
+    text = render(*summarise(FOLDED), top=2)
+    lines = text.splitlines()
+    assert lines[0] == "10 samples"
+    assert lines[1:4] == ["inclusive:", "   90.0%  run (asyncio/runners.py)",
+                          "   60.0%  _step (coalesce/service/batching/batcher.py)"]
+    assert lines[4:] == ["own:", "   60.0%  next (coalesce/service/batching/scheduler.py)",
+                         "   30.0%  send (coalesce/service/engine/channel.py)"]
+
+
+def test_the_gpu_machine_scripts_parse(tmp_path: Path) -> None:
+    for script in ("gpu_session.sh", "gpu_ab.sh", "gpu_engine_profile.sh", "gpu_lib.sh"):
+        done = subprocess.run(["bash", "-n", str(ROOT / "kernels" / script)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{script}: {done.stderr}"
+    raw = tmp_path / "engine.raw"
+    raw.write_text("".join(FOLDED))
+    out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.pyspy_summary", str(raw), "--top", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[:3] == ["10 samples", "inclusive:", "   90.0%  run (asyncio/runners.py)"]
