@@ -49,8 +49,8 @@ soak: $(STAMP)
 gpu-check: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m coalesce.loadtests.gpu.check --service-cmd "$(VENV)/bin/coalesce serve --port {port} --log-level warning"
 
-# What a session lent the GPU machine carries there (it lacks msgspec, structlog and the packaged model and
-# reaches no registry): .gpu/, then `bash kernels/gpu_session.sh` there with .gpu carried.
+# What a session lent the GPU machine carries there (it lacks msgspec, structlog, orjson, py-spy and the
+# packaged model and reaches no registry): .gpu/, then `bash kernels/gpu_session.sh` there with .gpu carried.
 gpu-bundle: $(STAMP)
 	$(PY) -m coalesce.loadtests.gpu.bundle pack .gpu
 

@@ -34,3 +34,45 @@ reap_service() {
         rm -f "$out/service.pgid"
     fi
 }
+
+# The engine alone on this host's CPU (coalesce.loadtests.engine_ops: no sockets, no model), at one-
+# request messages from 8 and from 48 gateways, into $out/engine-ops.txt: the engine's own Python per
+# request and per batch here, beside what a request costs the engine process in the service rows.
+engine_ops() {
+    {
+        timeout -k 2 30 "$py" -m coalesce.loadtests.engine_ops --gateways 8 --jobs 1,4 --rounds 2000
+        timeout -k 2 30 "$py" -m coalesce.loadtests.engine_ops --gateways 48 --jobs 1 --rounds 400
+    } > "$out/engine-ops.txt" 2>&1
+    cat "$out/engine-ops.txt"
+}
+
+# Run in the background beside gpu_check: waits up to $2 s for an engine process (`--role engine`)
+# whose load clients are running, then samples it for $3 s with py-spy (carried as $bundle/py-spy;
+# without it, says so and returns), into $out/$1-gil.raw (the thread holding the interpreter lock: what
+# caps the one engine) and, when $4 is given, $4 s more of every busy thread into $out/$1-all.raw.
+# `python -m coalesce.loadtests.pyspy_summary FILE` reads them.
+sample_engine() {
+    local spy="$bundle/py-spy" engine="" clients=""
+    if [ ! -x "$spy" ]; then
+        echo "no $spy: the engine is not sampled"
+        return 0
+    fi
+    for _ in $(seq "$2"); do
+        engine=$(pgrep -f -- "--role engine" | head -1)
+        clients=$(pgrep -f -- "gpu.service_load client" | head -1)
+        [ -n "$engine" ] && [ -n "$clients" ] && break
+        sleep 1
+    done
+    if [ -z "$engine" ] || [ -z "$clients" ]; then
+        echo "no engine process under load to sample (engine '$engine', clients '$clients')"
+        return 0
+    fi
+    sleep 1
+    timeout -k 2 $(($3 + 5)) "$spy" record -p "$engine" -r 250 -d "$3" --nonblocking --gil -f raw \
+        -o "$out/$1-gil.raw" > "$out/$1-py-spy.log" 2>&1
+    if [ -n "${4:-}" ]; then
+        timeout -k 2 $(($4 + 5)) "$spy" record -p "$engine" -r 250 -d "$4" --nonblocking -f raw \
+            -o "$out/$1-all.raw" >> "$out/$1-py-spy.log" 2>&1
+    fi
+    echo "sampled engine $engine: $(grep Samples "$out/$1-py-spy.log" | tr "\n" " ")"
+}

@@ -4,14 +4,18 @@
 #
 #     bash kernels/gpu_session.sh
 #
-# Installs the bundle's wheels, writes random weights into its model directory, runs the GPU tests and
-# then gpu_check (correctness, capture cost, latency table, service throughput) against that model.
+# Installs the bundle's wheels, writes random weights into its model directory, runs the GPU tests, the
+# engine alone on this host's CPU (engine_ops) and then gpu_check (correctness, capture cost, latency
+# table, service throughput) against that model, with py-spy sampling the first multi-process row's
+# engine under load (`--workers auto`; when the bundle carries py-spy, as `make gpu-bundle` packs it).
 #
-# Device time: at most 352 s of script (the step limits below, their kill graces included); on the H200
+# Device time: at most 416 s of script (the step limits below, their kill graces included); on the H200
 # of 2026-12-04 07:05 the whole script took 118 s (the GPU tests 29 s, gpu_check with three services
-# about 75 s); the machine's start comes on top. Give the device call a limit of 400 s or more, so that
-# this script's own limits, not the call's, are the ones that fire:
-#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 90 s, gpu_check 140 s (+ 2-3 s kill grace each)
+# about 75 s; engine_ops, added since, takes about 20 s); the machine's start comes on top. Give the
+# device call a limit of 460 s or more, so that this script's own limits, not the call's, are the ones
+# that fire:
+#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 90 s, engine_ops 2x30 s, gpu_check 140 s
+#     (+ 2-3 s kill grace each)
 # (install and weights were 15 s and 20 s until a fresh machine's first imports ran past them, silently:
 # a failed step now says which and when, in machine.txt too; the GPU tests' 45 s killed the last test
 # at 13:30 the same day, on a machine whose host side ran 2.3x slower: alone they took 42 s there).
@@ -21,7 +25,8 @@
 # Everything lands in $OUT (or ./gpu-out) as it happens, so a step killed by its limit keeps what it
 # finished: machine.txt, gpu-tests.log, gpu_check's sections (header.txt, correctness.txt, capture.txt,
 # latency.txt, service.txt; a line at a time), its status.txt (complete, or where it stopped), the
-# services' logs (service-1.log, service-2.log) and gpu-check.err (progress and warnings).
+# services' logs (service-1.log, service-2.log), gpu-check.err (progress and warnings), engine-ops.txt,
+# and engine-gil.raw with engine-py-spy.log (`python -m coalesce.loadtests.pyspy_summary` reads the first).
 # GPU_CHECK_ARGS adds gpu_check flags, last, so they override (a CPU dry run: GPU_CHECK_ARGS="--device cpu ...").
 set -uo pipefail
 name=gpu_session
@@ -33,6 +38,7 @@ prepare
 COALESCE_GPU_MODEL="$model" timeout -k 3 90 "$py" -m pytest -m gpu tests/gpu -v --tb=short \
     -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 tests=$?
+engine_ops
 
 # gpu_check writes each section to $out as it goes; the services it starts log to $out/service-N.log.
 # The service runs three times: one process, then `--workers auto` (4 gateways on a 16-core GPU host: the
@@ -42,6 +48,9 @@ tests=$?
 # budget: cells not captured by then are captured lazily under load.
 serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
 serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5"
+# py-spy (when carried) samples the first row's engine under load: `--workers auto`'s.
+sample_engine engine 100 5 &
+sampler=$!
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
 timeout -k 3 140 "$py" -m coalesce.loadtests.gpu.check --st-model "$model" --out "$out" \
     --time-limit-s 128 --service-ready-s 40 --capture-budget-s 10 --seconds-per-case 0.25 \
@@ -49,6 +58,7 @@ timeout -k 3 140 "$py" -m coalesce.loadtests.gpu.check --st-model "$model" --out
     --service-cmd "$serve --workers ${GPU_WORKERS:-auto}" --service-cmd "$serve --workers ${GPU_WORKERS_MAX:-8}" \
     ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
+wait "$sampler"
 reap_service
 echo "gpu tests: exit $tests; gpu_check: exit $check ($(cat "$out/status.txt" 2>/dev/null)); $((SECONDS - started)) s"
 exit $(( tests || check ))

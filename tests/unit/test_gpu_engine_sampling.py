@@ -1,13 +1,18 @@
-"""``coalesce.loadtests.pyspy_summary``: what the GPU machine's engine profile (py-spy's folded stacks,
-``kernels/gpu_engine_profile.sh``) is read with here. A recursive frame counts once per sample, a
-sample's own function is its last frame, and shares are of every sample."""
+"""Sampling the engine on the GPU machine: the bundle carries py-spy's binary out of its wheel, the
+scripts that run it parse, and ``coalesce.loadtests.pyspy_summary`` reads its folded stacks here — a
+recursive frame counts once per sample, a sample's own function is its last frame, and shares are of
+every sample."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+import pytest
+from coalesce.loadtests.gpu.bundle import extract_script
 from coalesce.loadtests.pyspy_summary import render, summarise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,3 +55,15 @@ def test_the_gpu_machine_scripts_parse(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.pyspy_summary", str(raw), "--top", "1"],
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[:3] == ["10 samples", "inclusive:", "   90.0%  run (asyncio/runners.py)"]
+
+
+def test_the_bundle_takes_a_wheels_script_as_an_executable(tmp_path: Path) -> None:
+    wheel = tmp_path / "tool-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("tool-1.0.dist-info/METADATA", "Name: tool\n")
+        zf.writestr("tool-1.0.data/scripts/py-spy", b"\x7fELF binary")
+    dest = extract_script(wheel, "py-spy", tmp_path / "py-spy")
+    assert dest.read_bytes() == b"\x7fELF binary"
+    assert os.access(dest, os.X_OK)
+    with pytest.raises(FileNotFoundError, match="no script other"):
+        extract_script(wheel, "other", tmp_path / "other")
