@@ -28,7 +28,8 @@ timeout -k 3 100 "$py" -m coalesce.loadtests.gpu.check --sections service --out 
     --time-limit-s 90 --service-ready-s 40 --service-seconds 24 --concurrency "${GPU_PROFILE_CLIENTS:-256}" \
     --service-cmd "$serve" 2> "$out/gpu-check.err"
 check=$?
-wait "$sampler"
+kill "$sampler" 2>/dev/null  # (still waiting for an engine under load: there will be none now)
+wait "$sampler" 2>/dev/null
 reap_service
 echo "gpu_check: exit $check ($(cat "$out/status.txt" 2>/dev/null)); $((SECONDS - started)) s"
 exit $check

@@ -58,7 +58,8 @@ timeout -k 3 140 "$py" -m coalesce.loadtests.gpu.check --st-model "$model" --out
     --service-cmd "$serve --workers ${GPU_WORKERS:-auto}" --service-cmd "$serve --workers ${GPU_WORKERS_MAX:-8}" \
     ${GPU_CHECK_ARGS:-} 2> >(tee "$out/gpu-check.err" >&2)
 check=$?
-wait "$sampler"
+kill "$sampler" 2>/dev/null  # (still waiting for an engine under load: there will be none now)
+wait "$sampler" 2>/dev/null
 reap_service
 echo "gpu tests: exit $tests; gpu_check: exit $check ($(cat "$out/status.txt" 2>/dev/null)); $((SECONDS - started)) s"
 exit $(( tests || check ))
