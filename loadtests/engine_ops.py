@@ -1,17 +1,18 @@
 """Where the engine's CPU per request goes, without sockets, HTTP or a model.
 
     python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--gateways G] [--rounds 2000] [--profile N]
-                                            [--json]
+                                            [--cache-mb MB] [--shared-metrics] [--json]
 
 The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
 ``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
 message) driven in one process: each round hands the link one ``Submit`` of ``--jobs`` one-sentence
-requests (distinct inputs, no result cache, the packaged model's tokenizer and facts, the forward a
-constant — ``coalesce.loadtests.nullmodel``), and the next round starts when the answers of all of them
-have been "sent" (encoded, then dropped). With ``--gateways G``, G links share the engine's ``Turn`` as
-in the engine process, and each round each of them hands over its message in the same event-loop turn
-(many gateways' small messages, what a loaded GPU replica sees). CPU per request (every thread of the
-process), two ways:
+requests (distinct inputs, the packaged model's tokenizer and facts, the forward a constant —
+``coalesce.loadtests.nullmodel``; no result cache and this process's own metrics unless
+``--cache-mb`` and ``--shared-metrics`` make it the service's case), and the next round starts when
+the answers of all of them have been "sent" (encoded, then dropped). With ``--gateways G``, G links
+share the engine's ``Turn`` as in the engine process, and each round each of them hands over its message
+in the same event-loop turn (many gateways' small messages, what a loaded GPU replica sees). CPU per
+request (every thread of the process), two ways:
 
 * **threaded**: the batch goes to the device thread and back, as in ``coalesce serve``;
 * **inline**: the same batch run on the event loop's thread, its answer scheduled with ``call_soon``:
@@ -32,12 +33,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import importlib.util
 import io
 import json
 import os
 import pstats
+import sys
 import tempfile
 import threading
 import time
@@ -48,10 +51,10 @@ from typing import Any
 
 
 async def _engine_rounds(
-    jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1
-) -> tuple[float, float, str]:
-    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and the
-    profile (if asked)."""
+    jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1, cache_mb: int = 0
+) -> tuple[float, float, float, str]:
+    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, inputs
+    computed per batch (every request's own: no two are the same input), and the profile (if asked)."""
     from coalesce.kernels.worker import BatchOutput
     from coalesce.loadtests.nullmodel import factory
     from coalesce.service.engine import messages as wire
@@ -60,7 +63,7 @@ async def _engine_rounds(
     from coalesce.service.metrics import Metrics
     from coalesce.service.settings import Settings
 
-    settings = Settings(cache_mb=0, runner_factory="coalesce.loadtests.nullmodel:factory")
+    settings = Settings(cache_mb=cache_mb, runner_factory="coalesce.loadtests.nullmodel:factory")
     metrics = Metrics()
     engine = Engine(settings, metrics, factory)
     await engine.load()
@@ -96,16 +99,17 @@ async def _engine_rounds(
 
         for link in links:
             link._send = sent
-        # Distinct one-sentence inputs ([CLS] w w [SEP]), so none is deduplicated against another.
-        seqs = [[101, 2000 + 37 * j, 2100 + j, 102] for j in range(jobs)]
-        sizes = [1 + len(s) for s in seqs]
-        frame = array("i")
-        for s in seqs:
-            frame.extend([len(s), *s])
+        # One-sentence inputs ([CLS] w w [SEP]), each job's its own across every round, so none is
+        # deduplicated against another and, with --cache-mb, every one misses the cache and is kept
+        # (the service's case under distinct texts: a lookup, a copy kept, evictions once full).
+        sizes = [5] * jobs  # (each sequence's length, then its 4 ids)
 
         def message(first_id: int) -> list[memoryview]:
             deadline = time.monotonic() + 3600
             batch = [wire.Job(first_id + j, 0, 1, False, "default", 1.0, 1, deadline) for j in range(jobs)]
+            frame = array("i")
+            for n in range(first_id, first_id + jobs):
+                frame.extend([4, 101, 1000 + n % 29000, 1000 + n // 29000 % 29000, 102])
             return [memoryview(wire.encoder.encode(wire.Submit(batch, sizes))), memoryview(frame.tobytes())]
 
         async def run(msgs: list[list[memoryview]]) -> None:
@@ -116,9 +120,12 @@ async def _engine_rounds(
                     link._on_message(msg)
                 await all_in.wait()
 
-        def batches() -> float:
+        def counted(series: str) -> float:
             name = engine.models[0].info.name
-            return metrics.registry.get_sample_value("coalesce_batches_total", {"model": name}) or 0.0
+            return metrics.registry.get_sample_value(series, {"model": name}) or 0.0
+
+        def batches() -> float:
+            return counted("coalesce_batches_total")
 
         warm = max(rounds // 10, 20) * gateways
         await run([message(r * jobs) for r in range(warm)])  # warm-up: the cost model
@@ -127,7 +134,7 @@ async def _engine_rounds(
         # the engine needs: each link keeps its own.)
         msgs = [message((warm + r) * jobs) for r in range(rounds * gateways)]
         prof = cProfile.Profile() if profile else None
-        b0, c0 = batches(), time.process_time()
+        b0, i0, c0 = batches(), counted("coalesce_inputs_total"), time.process_time()
         if prof is not None:
             prof.enable()
         await run(msgs)
@@ -135,6 +142,7 @@ async def _engine_rounds(
             prof.disable()
         cpu = time.process_time() - c0
         per_message = (batches() - b0) / (rounds * gateways)
+        per_batch = (counted("coalesce_inputs_total") - i0) / max(batches() - b0, 1.0)
         for link in links:
             link.close()
     await engine.close()
@@ -143,7 +151,7 @@ async def _engine_rounds(
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
         text = out.getvalue()
-    return cpu / (rounds * gateways * jobs) * 1e6, per_message, text
+    return cpu / (rounds * gateways * jobs) * 1e6, per_message, per_batch, text
 
 
 async def _thread_round_trip(rounds: int) -> float:
@@ -284,7 +292,8 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
     return mine / rounds * 1e6, theirs / rounds * 1e6
 
 
-def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1) -> dict[str, Any]:
+def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
+            cache_mb: int = 0) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -293,17 +302,20 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     rows = []
     text = ""
     for n in jobs:
-        threaded, per_message, _ = uvloop.run(_engine_rounds(n, rounds, False, 0, gateways))
-        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, True, 0, gateways))
+        threaded, per_message, per_batch, _ = uvloop.run(
+            _engine_rounds(n, rounds, False, 0, gateways, cache_mb))
+        inline, _, _, _ = uvloop.run(_engine_rounds(n, rounds, True, 0, gateways, cache_mb))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
+                     "inputs_per_batch": per_batch,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
     hop = uvloop.run(_thread_round_trip(max(rounds, 1000)))
     messages = {"unix": uvloop.run(_message_round_trip("unix", max(rounds, 1000)))}
     if importlib.util.find_spec("zmq") is not None:
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
-        _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, True, profile, gateways))
-    return {"rows": rows, "gateways": gateways, "thread_round_trip_us": hop,
+        _, _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, True, profile, gateways, cache_mb))
+    return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb,
+            "shared_metrics": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")), "thread_round_trip_us": hop,
             "message_round_trip_us": messages, "profile": text, "cpus": os.cpu_count()}
 
 
@@ -315,6 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="rounds measured per row (a message per gateway each)")
     p.add_argument("--gateways", type=int, default=1,
                    help="gateways sending one message each per round, all in one event-loop turn (1)")
+    p.add_argument("--cache-mb", type=int, default=0, metavar="MB",
+                   help="the engine's result cache (0, the default: off; the service's default is 64)")
+    p.add_argument("--shared-metrics", action="store_true",
+                   help="metrics in a multiprocess directory, as under --workers (each write a locked "
+                        "write to a shared file) rather than in this process alone")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
@@ -324,16 +341,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvloop.run(_echo(*args.echo))
         return 0
-    figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways)
+    with contextlib.ExitStack() as stack:
+        if args.shared_metrics:
+            # prometheus_client picks its value storage when first imported: the directory goes first.
+            if "prometheus_client" in sys.modules:
+                raise SystemExit("--shared-metrics: prometheus_client came before its directory")
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
+        figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
+                          args.cache_mb)
     if args.json:
         print(json.dumps(figures))
         return 0
     if args.gateways > 1:
         print(f"{args.gateways} gateways, one message each per round, in one event-loop turn")
-    print("requests/message  batches/message  threaded µs/request  inline µs/request  hand-off µs/batch")
+    if args.cache_mb or args.shared_metrics:
+        where = "shared (multiprocess)" if args.shared_metrics else "this process's"
+        print(f"result cache {args.cache_mb} MiB; metrics {where}")
+    print("requests/message  batches/message  inputs/batch  threaded µs/request  inline µs/request  "
+          "hand-off µs/batch")
     for r in figures["rows"]:
-        print(f"{r['jobs']:>16}  {r['batches']:>15.2f}  {r['threaded_us']:>19.1f}  {r['inline_us']:>17.1f}  "
-              f"{r['hand_off_us']:>17.1f}")
+        print(f"{r['jobs']:>16}  {r['batches']:>15.2f}  {r['inputs_per_batch']:>12.1f}  "
+              f"{r['threaded_us']:>19.1f}  {r['inline_us']:>17.1f}  {r['hand_off_us']:>17.1f}")
     print(f"bare thread round trip (SimpleQueue.put, call_soon_threadsafe): "
           f"{figures['thread_round_trip_us']:.1f} µs CPU")
     for transport, (mine, theirs) in figures["message_round_trip_us"].items():

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+_OWN_ENV = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+
 
 def test_engine_ops_answers_every_request_and_reports_both_paths() -> None:
     out = subprocess.run(
@@ -36,3 +38,21 @@ def test_engine_ops_with_several_gateways_answers_them_all_in_shared_batches() -
     (row,) = figures["rows"]
     assert figures["gateways"] == 3
     assert row["batches"] == pytest.approx(1 / 3)  # one batch per round of three messages
+    # ...computing three inputs: each gateway's request is an input of its own (a tool that sent every
+    # gateway the same text measured one input deduplicated three ways: 2026-12-04's --gateways rows).
+    assert row["inputs_per_batch"] == pytest.approx(3.0)
+
+
+def test_engine_ops_as_the_service_runs_it_cache_on_and_metrics_shared() -> None:
+    """With the result cache on, every input still misses it and runs (each job's input is its own
+    across every round, as distinct texts are in the service's load: a lookup, a kept copy, evictions),
+    and the metrics go through a multiprocess directory, as under ``--workers``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "2", "--rounds", "30",
+         "--cache-mb", "1", "--shared-metrics", "--json"],
+        capture_output=True, text=True, timeout=240, check=True, env={**_OWN_ENV, "HF_HUB_OFFLINE": "1"},
+    ).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    (row,) = figures["rows"]
+    assert figures["cache_mb"] == 1 and figures["shared_metrics"] is True
+    assert row["batches"] == 1.0  # a repeated input would have been answered from the cache: no batch
