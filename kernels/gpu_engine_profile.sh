@@ -9,7 +9,7 @@
 # interpreter lock goes) and engine-all.raw (every thread, idle ones left out), folded stacks as
 # `py-spy record --format raw` writes them; `python -m coalesce.loadtests.pyspy_summary FILE` reads one.
 #
-# Device time: at most 40 + 60 + 10 + 2x30 + 100 s of script; expected about 100 s on an H200, the
+# Device time: at most 40 + 60 + 10 + 3x30 + 100 s of script; expected about 100 s on an H200, the
 # machine's start on top. Give the device call a limit of 320 s or more.
 # GPU_PROFILE_WORKERS (default 8) and GPU_PROFILE_CLIENTS (default 256) shape the load.
 set -uo pipefail

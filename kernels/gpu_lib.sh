@@ -36,12 +36,16 @@ reap_service() {
 }
 
 # The engine alone on this host's CPU (coalesce.loadtests.engine_ops: no sockets, no model), at one-
-# request messages from 8 and from 48 gateways, into $out/engine-ops.txt: the engine's own Python per
-# request and per batch here, beside what a request costs the engine process in the service rows.
+# request messages from 8 and from 48 gateways, and at 48 as the service runs it (result cache on,
+# metrics shared between processes), into $out/engine-ops.txt: the engine's own Python per request and
+# per batch here, beside what a request costs the engine process in the service rows.
 engine_ops() {
+    local ops="$py -m coalesce.loadtests.engine_ops --jobs 1"  # (a command line: split on purpose)
+    # shellcheck disable=SC2086
     {
-        timeout -k 2 30 "$py" -m coalesce.loadtests.engine_ops --gateways 8 --jobs 1,4 --rounds 2000
-        timeout -k 2 30 "$py" -m coalesce.loadtests.engine_ops --gateways 48 --jobs 1 --rounds 400
+        timeout -k 2 30 $ops --gateways 8 --rounds 2000
+        timeout -k 2 30 $ops --gateways 48 --rounds 400
+        timeout -k 2 30 $ops --gateways 48 --rounds 400 --cache-mb 64 --shared-metrics
     } > "$out/engine-ops.txt" 2>&1
     cat "$out/engine-ops.txt"
 }

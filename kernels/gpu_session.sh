@@ -9,12 +9,12 @@
 # table, service throughput) against that model, with py-spy sampling the first multi-process row's
 # engine under load (`--workers auto`; when the bundle carries py-spy, as `make gpu-bundle` packs it).
 #
-# Device time: at most 416 s of script (the step limits below, their kill graces included); on the H200
+# Device time: at most 450 s of script (the step limits below, their kill graces included); on the H200
 # of 2026-12-04 07:05 the whole script took 118 s (the GPU tests 29 s, gpu_check with three services
-# about 75 s; engine_ops, added since, takes about 20 s); the machine's start comes on top. Give the
-# device call a limit of 460 s or more, so that this script's own limits, not the call's, are the ones
+# about 75 s; engine_ops, added since, takes about 30 s); the machine's start comes on top. Give the
+# device call a limit of 500 s or more, so that this script's own limits, not the call's, are the ones
 # that fire:
-#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 90 s, engine_ops 2x30 s, gpu_check 140 s
+#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 90 s, engine_ops 3x30 s, gpu_check 140 s
 #     (+ 2-3 s kill grace each)
 # (install and weights were 15 s and 20 s until a fresh machine's first imports ran past them, silently:
 # a failed step now says which and when, in machine.txt too; the GPU tests' 45 s killed the last test
