@@ -24,8 +24,6 @@ timeout -k 2 20 "$py" -m pip install -q --no-index --no-deps --no-compile --no-c
     --target "$base" "$bundle"/base/coalesce-*.whl || step "baseline install" $?
 
 # The baseline's package first on its path, the bundle's dependencies after it.
-serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
-serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5"
 current="env PYTHONPATH=$site $serve"
 baseline="env PYTHONPATH=$base:$site $serve"
 cmds=()

@@ -4,13 +4,14 @@
 # sampling its engine process (issue 25: one engine process, at about one core, capped the H200 replica
 # of 2026-12-04). Prepared here with `make gpu-bundle` (it packs .gpu/py-spy), then one device call with
 # .gpu carried: `bash kernels/gpu_engine_profile.sh`. Without .gpu/py-spy the service runs unsampled.
-# `kernels/gpu_session.sh` samples its `--workers auto` row the same way, for 5 s; this is the longer look. Output in $OUT: machine.txt, engine-ops.txt, service.txt (gpu_check's
-# row with its CPU split), engine-gil.raw (samples of the thread holding the GIL: where the engine's one
-# interpreter lock goes) and engine-all.raw (every thread, idle ones left out), folded stacks as
-# `py-spy record --format raw` writes them; `python -m coalesce.loadtests.pyspy_summary FILE` reads one.
+# `kernels/gpu_session.sh` samples its `--workers auto` row the same way, for 5 s; this is the longer look.
+# Output in $OUT: machine.txt, engine-ops.txt, service.txt (gpu_check's row with its CPU split),
+# engine-gil.raw (samples of the thread holding the GIL: where the engine's one interpreter lock goes)
+# and engine-all.raw (every thread, idle ones left out), folded stacks as `py-spy record --format raw`
+# writes them; `python -m coalesce.loadtests.pyspy_summary FILE` reads one.
 #
-# Device time: at most 40 + 60 + 10 + 3x30 + 100 s of script; expected about 100 s on an H200, the
-# machine's start on top. Give the device call a limit of 320 s or more.
+# Device time: at most 40 + 60 + 10 + 3x30 + 100 s of script (+ kill graces); expected about 110 s on an
+# H200, the machine's start on top. Give the device call a limit of 340 s or more.
 # GPU_PROFILE_WORKERS (default 8) and GPU_PROFILE_CLIENTS (default 256) shape the load.
 set -uo pipefail
 name=gpu_engine_profile
@@ -20,13 +21,11 @@ prepare
 engine_ops
 
 workers=${GPU_PROFILE_WORKERS:-8}
-serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
-serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5 --workers $workers"
 sample_engine engine 60 9 9 &
 sampler=$!
 timeout -k 3 100 "$py" -m coalesce.loadtests.gpu.check --sections service --out "$out" \
     --time-limit-s 90 --service-ready-s 40 --service-seconds 24 --concurrency "${GPU_PROFILE_CLIENTS:-256}" \
-    --service-cmd "$serve" 2> "$out/gpu-check.err"
+    --service-cmd "$serve --workers $workers" 2> "$out/gpu-check.err"
 check=$?
 kill "$sampler" 2>/dev/null  # (still waiting for an engine under load: there will be none now)
 wait "$sampler" 2>/dev/null

@@ -1,6 +1,6 @@
 # Sourced by kernels/gpu_session.sh and kernels/gpu_ab.sh (the GPU machine's one-call scripts): the
 # steps they share. The caller sets `set -uo pipefail` and `name` (its own, for messages); this sets
-# out, bundle, py, site and started from the environment as both scripts document them.
+# out, bundle, py, site and started from the environment as the scripts document them.
 out=${OUT:-gpu-out}
 bundle=${GPU_BUNDLE:-.gpu}
 py=${PYTHON:-python3}
@@ -13,13 +13,16 @@ started=$SECONDS
 step() { echo "$name: $1 failed (exit $2) after $((SECONDS - started)) s" | tee -a "$out/machine.txt"; exit 1; }
 
 # The bundle's wheels into $site, first on PYTHONPATH; random weights into its model directory ($model);
-# the card's name, driver, memory and clocks into machine.txt (read, never set).
+# the card's name, driver, memory and clocks into machine.txt (read, never set); $serve, the service's
+# command line on that model as every script starts it (gpu_check fills in {port}; add --workers).
 prepare() {
     timeout -k 2 40 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$bundle"/whl/*.whl || step install $?
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     model=$(realpath "$bundle/model")
     timeout -k 2 60 "$py" -m coalesce.loadtests.gpu.bundle weights "$model" || step weights $?
+    serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
+    serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5"
     timeout -k 2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
         --format=csv > "$out/machine.txt" 2>&1 || echo "no nvidia-smi" >> "$out/machine.txt"
     cat "$out/machine.txt"

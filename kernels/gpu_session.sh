@@ -44,10 +44,8 @@ engine_ops
 # The service runs three times: one process, then `--workers auto` (4 gateways on a 16-core GPU host: the
 # CPU line's "gateways ×N" says what it chose there) and 8 gateways, in front of one engine process:
 # one event loop caps small requests/s, and the engine's one queue keeps batches whole.
-# Each row gives throughput, mean batch size, and the GPU memory in use. A short start-up capture
-# budget: cells not captured by then are captured lazily under load.
-serve="$py -m coalesce.service.cli serve --port {port} --model all-MiniLM-L6-v2=$model"
-serve="$serve --log-level warning --shutdown-grace-s 0 --graph-capture-budget-s 5"
+# Each row gives throughput, mean batch size, and the GPU memory in use. `$serve` (gpu_lib's prepare)
+# gives a short start-up capture budget: cells not captured by then are captured lazily under load.
 # py-spy (when carried) samples the first row's engine under load: `--workers auto`'s.
 sample_engine engine 100 5 &
 sampler=$!

@@ -124,9 +124,6 @@ async def _engine_rounds(
             name = engine.models[0].info.name
             return metrics.registry.get_sample_value(series, {"model": name}) or 0.0
 
-        def batches() -> float:
-            return counted("coalesce_batches_total")
-
         warm = max(rounds // 10, 20) * gateways
         await run([message(r * jobs) for r in range(warm)])  # warm-up: the cost model
         # settles, caches fill. The measured messages are encoded before the clock starts: that is the
@@ -134,15 +131,17 @@ async def _engine_rounds(
         # the engine needs: each link keeps its own.)
         msgs = [message((warm + r) * jobs) for r in range(rounds * gateways)]
         prof = cProfile.Profile() if profile else None
-        b0, i0, c0 = batches(), counted("coalesce_inputs_total"), time.process_time()
+        b0, i0 = counted("coalesce_batches_total"), counted("coalesce_inputs_total")
+        c0 = time.process_time()
         if prof is not None:
             prof.enable()
         await run(msgs)
         if prof is not None:
             prof.disable()
         cpu = time.process_time() - c0
-        per_message = (batches() - b0) / (rounds * gateways)
-        per_batch = (counted("coalesce_inputs_total") - i0) / max(batches() - b0, 1.0)
+        ran = counted("coalesce_batches_total") - b0
+        per_message = ran / (rounds * gateways)
+        per_batch = (counted("coalesce_inputs_total") - i0) / max(ran, 1.0)
         for link in links:
             link.close()
     await engine.close()

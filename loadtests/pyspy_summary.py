@@ -44,10 +44,10 @@ def summarise(lines: Iterable[str]) -> tuple[int, collections.Counter[str], coll
 
 
 def render(total: int, inclusive: collections.Counter[str], own: collections.Counter[str], top: int) -> str:
-    out = [f"{total} samples", "inclusive:"]
-    out += [f"  {100 * n / max(total, 1):5.1f}%  {name}" for name, n in inclusive.most_common(top)]
-    out.append("own:")
-    out += [f"  {100 * n / max(total, 1):5.1f}%  {name}" for name, n in own.most_common(top)]
+    out = [f"{total} samples"]
+    for title, counts in (("inclusive", inclusive), ("own", own)):
+        out.append(f"{title}:")
+        out += [f"  {100 * n / max(total, 1):5.1f}%  {name}" for name, n in counts.most_common(top)]
     return "\n".join(out)
 
 
