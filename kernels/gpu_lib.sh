@@ -43,7 +43,8 @@ reap_service() {
 # metrics shared between processes), into $out/engine-ops.txt: the engine's own Python per request and
 # per batch here, beside what a request costs the engine process in the service rows.
 engine_ops() {
-    local ops="$py -m coalesce.loadtests.engine_ops --jobs 1"  # (a command line: split on purpose)
+    # The bundle's model (its tokenizer; the forward is skipped): the device has no embedded default.
+    local ops="$py -m coalesce.loadtests.engine_ops --jobs 1 --model $model"  # (split on purpose)
     # shellcheck disable=SC2086
     {
         timeout -k 2 30 $ops --gateways 8 --rounds 2000

@@ -51,7 +51,8 @@ from typing import Any
 
 
 async def _engine_rounds(
-    jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1, cache_mb: int = 0
+    jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1, cache_mb: int = 0,
+    model_dir: str = "default",
 ) -> tuple[float, float, float, str]:
     """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, inputs
     computed per batch (every request's own: no two are the same input), and the profile (if asked)."""
@@ -61,9 +62,10 @@ async def _engine_rounds(
     from coalesce.service.engine.core import Engine
     from coalesce.service.engine.server import GatewayLink, Turn, _offer
     from coalesce.service.metrics import Metrics
-    from coalesce.service.settings import Settings
+    from coalesce.service.settings import Settings, parse_model_spec
 
-    settings = Settings(cache_mb=cache_mb, runner_factory="coalesce.loadtests.nullmodel:factory")
+    settings = Settings(models=(parse_model_spec(model_dir),), cache_mb=cache_mb,
+                        runner_factory="coalesce.loadtests.nullmodel:factory")
     metrics = Metrics()
     engine = Engine(settings, metrics, factory)
     await engine.load()
@@ -292,7 +294,7 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
-            cache_mb: int = 0) -> dict[str, Any]:
+            cache_mb: int = 0, model: str = "default") -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -302,8 +304,8 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     text = ""
     for n in jobs:
         threaded, per_message, per_batch, _ = uvloop.run(
-            _engine_rounds(n, rounds, False, 0, gateways, cache_mb))
-        inline, _, _, _ = uvloop.run(_engine_rounds(n, rounds, True, 0, gateways, cache_mb))
+            _engine_rounds(n, rounds, False, 0, gateways, cache_mb, model))
+        inline, _, _, _ = uvloop.run(_engine_rounds(n, rounds, True, 0, gateways, cache_mb, model))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
                      "inputs_per_batch": per_batch,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
@@ -312,7 +314,8 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     if importlib.util.find_spec("zmq") is not None:
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
-        _, _, _, text = uvloop.run(_engine_rounds(jobs[-1], rounds, True, profile, gateways, cache_mb))
+        _, _, _, text = uvloop.run(
+            _engine_rounds(jobs[-1], rounds, True, profile, gateways, cache_mb, model))
     return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb,
             "shared_metrics": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")), "thread_round_trip_us": hop,
             "message_round_trip_us": messages, "profile": text, "cpus": os.cpu_count()}
@@ -331,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shared-metrics", action="store_true",
                    help="metrics in a multiprocess directory, as under --workers (each write a locked "
                         "write to a shared file) rather than in this process alone")
+    p.add_argument("--model", default="default", metavar="PATH",
+                   help="the model whose tokenizer the engine loads (its forward is skipped); "
+                   "default: the embedded all-MiniLM-L6-v2")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
@@ -347,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit("--shared-metrics: prometheus_client came before its directory")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
         figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
-                          args.cache_mb)
+                          args.cache_mb, args.model)
     if args.json:
         print(json.dumps(figures))
         return 0

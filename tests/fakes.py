@@ -11,6 +11,7 @@ that id raise. It runs in-process only (its tokenizer is not a real one a gatewa
 and answers the same unit vector, so queues build up on demand and a gateway can tokenise. With
 ``SLOW_MINILM_GATE=PATH`` in its environment, a test holds its device across processes (``FileGate``).
 ``slow_echo`` is the same whose row for a sequence is its ids, so a test sees whose rows it got.
+``gated_minilm``: the packaged model itself (real embeddings) behind the same gate.
 """
 
 from __future__ import annotations
@@ -178,12 +179,7 @@ class SlowForward:
         return len(batch)
 
     def forward(self, prepared: int) -> int:
-        gate = self._gate
-        if gate is not None and gate.exists():
-            FileGate(gate).entered.touch()
-            deadline = time.monotonic() + 30
-            while gate.exists() and time.monotonic() < deadline:
-                time.sleep(0.005)
+        _wait_at(self._gate)
         time.sleep(self._seconds)
         return prepared
 
@@ -192,6 +188,40 @@ class SlowForward:
 
     def warmup(self) -> None:
         return None
+
+
+def _wait_at(gate: Path | None) -> None:
+    """While the file ``gate`` exists (at most 30 s), after saying so (``FileGate.entered``)."""
+    if gate is not None and gate.exists():
+        FileGate(gate).entered.touch()
+        deadline = time.monotonic() + 30
+        while gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+class GatedForward:
+    """A real runner (its embeddings) whose forward first waits at the file ``gate``, as ``SlowForward``'s."""
+
+    def __init__(self, inner: Any, gate: Path) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def forward(self, prepared: Any) -> Any:
+        _wait_at(self._gate)
+        return self._inner.forward(prepared)
+
+
+def gated_minilm(spec: Any) -> GatedForward:
+    """``--runner-factory tests.fakes:gated_minilm``: the packaged model, real embeddings, its forward held
+    while the file ``SLOW_MINILM_GATE`` names exists: a test decides when batches run, not the machine."""
+    from coalesce.service.engine.preload import model_loader
+    from coalesce.service.settings import build
+
+    # Loaded as `coalesce serve` loads it: the knobs from the environment too (the tests' COALESCE_DTYPE).
+    return GatedForward(model_loader(build())(spec), Path(os.environ["SLOW_MINILM_GATE"]))
 
 
 def slow_minilm(spec: Any) -> SlowForward:

