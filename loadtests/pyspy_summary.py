@@ -4,13 +4,15 @@ most samples, inclusive (anywhere on the stack) and own (at its top), as shares 
     python -m coalesce.loadtests.pyspy_summary FILE [--top N]
 
 ``kernels/gpu_engine_profile.sh`` writes such files on the GPU machine (the engine process under load);
-this reads them here. Standard library only.
+this reads them here, gzipped too (``FILE.gz``: the samples BENCHMARKS quotes are kept so, in
+``loadtests/gpu/profiles``). Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import re
 from collections.abc import Iterable, Sequence
 
@@ -56,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("file")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)
-    with open(args.file, encoding="utf-8", errors="replace") as f:
+    opener = gzip.open if args.file.endswith(".gz") else open
+    with opener(args.file, "rt", encoding="utf-8", errors="replace") as f:
         print(render(*summarise(f), args.top))
     return 0
 

@@ -5,6 +5,7 @@ every sample."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -55,6 +56,12 @@ def test_the_gpu_machine_scripts_parse(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.pyspy_summary", str(raw), "--top", "1"],
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[:3] == ["10 samples", "inclusive:", "   90.0%  run (asyncio/runners.py)"]
+    # Gzipped as the quoted samples are kept (loadtests/gpu/profiles): the same summary.
+    packed = tmp_path / "engine.raw.gz"
+    packed.write_bytes(gzip.compress(raw.read_bytes()))
+    cmd = [sys.executable, "-m", "coalesce.loadtests.pyspy_summary", str(packed), "--top", "1"]
+    again = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert again == out
 
 
 def test_the_bundle_takes_a_wheels_script_as_an_executable(tmp_path: Path) -> None:
