@@ -1,7 +1,7 @@
 """Where the engine's CPU per request goes, without sockets, HTTP or a model.
 
     python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--gateways G] [--rounds 2000] [--profile N]
-                                            [--cache-mb MB] [--shared-metrics] [--json]
+                                            [--ops] [--cache-mb MB] [--shared-metrics] [--json]
 
 The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
 ``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
@@ -26,13 +26,18 @@ to a process that sends it back, CPU per round trip of each side, over the engin
 (``engine/channel.py``: a Unix socket on the event loop) and, when pyzmq is installed, over a ZeroMQ
 DEALER pair on ``ipc://`` read the way the link read it before (the link's previous transport).
 ``--profile N``: cProfile's top ``N`` functions (own time) of the inline path at the last ``--jobs``
-value, in a run of its own.
+value, in a run of its own. ``--ops``: the Python bytecodes the engine's thread executes per request on
+that path, and the Python function calls (frames entered), counted by ``sys.settrace`` in a run of its
+own (tens of times slower): unlike CPU time they do not move with the machine's load or speed, so a
+change to the per-request path reads the same on a noisy 2-core VM as on the GPU host. A proxy — a
+bytecode that calls into C counts once however long the call takes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import cProfile
 import importlib.util
@@ -50,9 +55,47 @@ from queue import SimpleQueue
 from typing import Any
 
 
+class _OpCounter:
+    """Python bytecodes executed and Python frames entered on this thread while entered (``sys.settrace``
+    with opcode events: every frame it sees, coroutines resumed included)."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.calls = 0
+        self.by_code: collections.Counter[Any] = collections.Counter()  # bytecodes per code object
+
+    def _call(self, frame: Any, event: str, arg: Any) -> Any:
+        if event != "call":
+            return None
+        self.calls += 1
+        frame.f_trace_opcodes = True
+        return self._step
+
+    def _step(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.ops += 1
+            self.by_code[frame.f_code] += 1
+        return self._step
+
+    def top(self, n: int, per: float) -> list[tuple[str, float]]:
+        """The ``n`` functions that executed the most bytecodes, as ``(where, bytecodes / per)``."""
+        out = []
+        for code, count in self.by_code.most_common(n):
+            where = code.co_filename.split("site-packages/")[-1].replace(os.getcwd() + os.sep, "")
+            out.append((f"{code.co_qualname} ({where}:{code.co_firstlineno})", count / per))
+        return out
+
+    def __enter__(self) -> _OpCounter:
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+
 async def _engine_rounds(
     jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1, cache_mb: int = 0,
-    model_dir: str = "default",
+    model_dir: str = "default", ops: _OpCounter | None = None,
 ) -> tuple[float, float, float, str]:
     """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, inputs
     computed per batch (every request's own: no two are the same input), and the profile (if asked)."""
@@ -137,7 +180,8 @@ async def _engine_rounds(
         c0 = time.process_time()
         if prof is not None:
             prof.enable()
-        await run(msgs)
+        with ops if ops is not None else contextlib.nullcontext():
+            await run(msgs)
         if prof is not None:
             prof.disable()
         cpu = time.process_time() - c0
@@ -294,7 +338,7 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
-            cache_mb: int = 0, model: str = "default") -> dict[str, Any]:
+            cache_mb: int = 0, model: str = "default", count_ops: bool = False) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -316,9 +360,17 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     if profile:  # a run of its own: the profiler slows what it watches several times over
         _, _, _, text = uvloop.run(
             _engine_rounds(jobs[-1], rounds, True, profile, gateways, cache_mb, model))
+    ops = None
+    if count_ops:  # a run of its own too: tracing every bytecode slows it tens of times
+        counter = _OpCounter()
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, 0, gateways, cache_mb, model, counter))
+        requests = rounds * gateways * jobs[-1]
+        ops = {"jobs": jobs[-1], "bytecodes": counter.ops / requests, "calls": counter.calls / requests,
+               "top": counter.top(15, requests)}
     return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb,
             "shared_metrics": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")), "thread_round_trip_us": hop,
-            "message_round_trip_us": messages, "profile": text, "cpus": os.cpu_count()}
+            "message_round_trip_us": messages, "profile": text, "ops_per_request": ops,
+            "cpus": os.cpu_count()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -338,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the model whose tokenizer the engine loads (its forward is skipped); "
                    "default: the embedded all-MiniLM-L6-v2")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
+    p.add_argument("--ops", action="store_true",
+                   help="Python bytecodes and function calls per request of the inline path at the last "
+                   "--jobs (sys.settrace: the same on any machine, unlike CPU time; a run of its own)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
     args = p.parse_args(argv)
@@ -353,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit("--shared-metrics: prometheus_client came before its directory")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
         figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
-                          args.cache_mb, args.model)
+                          args.cache_mb, args.model, args.ops)
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -372,6 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for transport, (mine, theirs) in figures["message_round_trip_us"].items():
         print(f"message round trip to another process over {transport}: {mine:.1f} µs CPU here, "
               f"{theirs:.1f} µs there")
+    if figures["ops_per_request"] is not None:
+        o = figures["ops_per_request"]
+        print(f"per request, inline, {o['jobs']} a message: {o['bytecodes']:.0f} Python bytecodes, "
+              f"{o['calls']:.1f} Python function calls (sys.settrace); the most, bytecodes per request:")
+        for where, count in o["top"]:
+            print(f"  {count:8.1f}  {where}")
     if figures["profile"]:
         print(figures["profile"])
     return 0

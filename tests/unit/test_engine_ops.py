@@ -75,3 +75,22 @@ def test_engine_ops_takes_a_model_directory_where_the_packaged_one_is_missing(tm
                          check=True).stdout
     (row,) = json.loads(out.strip().splitlines()[-1])["rows"]
     assert row["batches"] == 1.0
+
+
+def test_engine_ops_counts_the_engines_bytecodes_per_request_the_same_run_to_run() -> None:
+    """``--ops``: the Python work per request as counts (bytecodes, calls, the functions that execute the
+    most), which a noisy machine does not move — two runs agree, and the engine's own functions lead."""
+    cmd = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--gateways", "3",
+           "--rounds", "40", "--ops", "--json"]
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=True,
+                             env={**_OWN_ENV, "HF_HUB_OFFLINE": "1"}).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1])["ops_per_request"])
+    first, second = runs
+    assert first["jobs"] == 1
+    assert first["bytecodes"] > 100 and first["calls"] > 5
+    assert abs(first["bytecodes"] - second["bytecodes"]) <= 0.01 * first["bytecodes"]
+    names = [where for where, _ in first["top"]]
+    assert any(name.startswith("Batcher._join ") for name in names), names
+    assert all(count > 0 for _, count in first["top"])
