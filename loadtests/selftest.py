@@ -27,6 +27,7 @@ class Ceiling(msgspec.Struct):
     open_rps: float | None  # highest open-loop rate held (achieved >= 95%, dispatch lag p99 <= 5 ms)
     open_lag_p99_ms: float | None
     tried: list[tuple[float, float, float]]  # (offered, achieved, lag p99 ms) of each open-loop step
+    closed_status: dict[str, int] = {}  # the closed-loop run's answers by status ("200", "connection", ...)
 
 
 def stub_spec() -> servers.ServerSpec:
@@ -61,6 +62,7 @@ async def _measure(url: str, duration: float, concurrency: int) -> Ceiling:
         open_rps=best[0] if best else None,
         open_lag_p99_ms=best[1] if best else None,
         tried=tried,
+        closed_status=dict(closed.steps[0].by_status),
     )
 
 
