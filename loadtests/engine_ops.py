@@ -28,9 +28,11 @@ DEALER pair on ``ipc://`` read the way the link read it before (the link's previ
 ``--profile N``: cProfile's top ``N`` functions (own time) of the inline path at the last ``--jobs``
 value, in a run of its own. ``--ops``: the Python bytecodes the engine's thread executes per request on
 that path, and the Python function calls (frames entered), counted by ``sys.settrace`` in a run of its
-own (tens of times slower): unlike CPU time they do not move with the machine's load or speed, so a
-change to the per-request path reads the same on a noisy 2-core VM as on the GPU host. A proxy — a
-bytecode that calls into C counts once however long the call takes.
+own (tens of times slower): unlike CPU time they barely move with the machine's load or speed, so a
+change to the per-request path reads the same on a noisy 2-core VM as on the GPU host (only the cost
+model's refits follow measured times: at a few requests a batch they move the count by a percent or
+two; at 16 or more by a fraction of a percent). A proxy — a bytecode that calls into C counts once
+however long the call takes.
 """
 
 from __future__ import annotations
@@ -392,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--ops", action="store_true",
                    help="Python bytecodes and function calls per request of the inline path at the last "
-                   "--jobs (sys.settrace: the same on any machine, unlike CPU time; a run of its own)")
+                   "--jobs (sys.settrace: nearly the same on any machine, unlike CPU time; a run of its own)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
     args = p.parse_args(argv)

@@ -79,8 +79,10 @@ def test_engine_ops_takes_a_model_directory_where_the_packaged_one_is_missing(tm
 
 def test_engine_ops_counts_the_engines_bytecodes_per_request_the_same_run_to_run() -> None:
     """``--ops``: the Python work per request as counts (bytecodes, calls, the functions that execute the
-    most), which a noisy machine does not move — two runs agree, and the engine's own functions lead."""
-    cmd = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--gateways", "3",
+    most), which a noisy machine barely moves — two runs agree within 2%, and the engine's own functions
+    lead. (At 16 requests a batch: at 3 the cost model's refits, whose work follows the measured times,
+    moved it by 1.6% between two runs of a CI machine under load.)"""
+    cmd = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--gateways", "16",
            "--rounds", "40", "--ops", "--json"]
     runs = []
     for _ in range(2):
@@ -90,7 +92,7 @@ def test_engine_ops_counts_the_engines_bytecodes_per_request_the_same_run_to_run
     first, second = runs
     assert first["jobs"] == 1
     assert first["bytecodes"] > 100 and first["calls"] > 5
-    assert abs(first["bytecodes"] - second["bytecodes"]) <= 0.01 * first["bytecodes"]
+    assert abs(first["bytecodes"] - second["bytecodes"]) <= 0.02 * first["bytecodes"]
     names = [where for where, _ in first["top"]]
     assert any(name.startswith("Batcher._join ") for name in names), names
     assert all(count > 0 for _, count in first["top"])
