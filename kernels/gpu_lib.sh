@@ -1,6 +1,6 @@
-# Sourced by kernels/gpu_session.sh and kernels/gpu_ab.sh (the GPU machine's one-call scripts): the
-# steps they share. The caller sets `set -uo pipefail` and `name` (its own, for messages); this sets
-# out, bundle, py, site and started from the environment as the scripts document them.
+# Sourced by kernels/gpu_session.sh, gpu_ab.sh and gpu_engine_profile.sh (the GPU machine's one-call
+# scripts): the steps they share. The caller sets `set -uo pipefail` and `name` (its own, for messages);
+# this sets out, bundle, py, site and started from the environment as the scripts document them.
 out=${OUT:-gpu-out}
 bundle=${GPU_BUNDLE:-.gpu}
 py=${PYTHON:-python3}

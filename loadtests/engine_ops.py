@@ -81,11 +81,10 @@ class _OpCounter:
 
     def top(self, n: int, per: float) -> list[tuple[str, float]]:
         """The ``n`` functions that executed the most bytecodes, as ``(where, bytecodes / per)``."""
-        out = []
-        for code, count in self.by_code.most_common(n):
-            where = code.co_filename.split("site-packages/")[-1].replace(os.getcwd() + os.sep, "")
-            out.append((f"{code.co_qualname} ({where}:{code.co_firstlineno})", count / per))
-        return out
+        from coalesce.loadtests.pyspy_summary import short_path
+
+        return [(f"{code.co_qualname} ({short_path(code.co_filename)}:{code.co_firstlineno})", count / per)
+                for code, count in self.by_code.most_common(n)]
 
     def __enter__(self) -> _OpCounter:
         sys.settrace(self._call)
@@ -96,11 +95,12 @@ class _OpCounter:
 
 
 async def _engine_rounds(
-    jobs: int, rounds: int, inline: bool, profile: int, gateways: int = 1, cache_mb: int = 0,
-    model_dir: str = "default", ops: _OpCounter | None = None,
-) -> tuple[float, float, float, str]:
-    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, inputs
-    computed per batch (every request's own: no two are the same input), and the profile (if asked)."""
+    jobs: int, rounds: int, inline: bool, gateways: int = 1, cache_mb: int = 0, model_dir: str = "default",
+    probe: contextlib.AbstractContextManager[Any] | None = None,
+) -> tuple[float, float, float]:
+    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and inputs
+    computed per batch (every request's own: no two are the same input). ``probe`` (a profiler, an
+    :class:`_OpCounter`) is entered around the measured rounds only."""
     from coalesce.kernels.worker import BatchOutput
     from coalesce.loadtests.nullmodel import factory
     from coalesce.service.engine import messages as wire
@@ -177,15 +177,10 @@ async def _engine_rounds(
         # gateway's work, not the engine's. (Job ids are unique across the gateways, which is more than
         # the engine needs: each link keeps its own.)
         msgs = [message((warm + r) * jobs) for r in range(rounds * gateways)]
-        prof = cProfile.Profile() if profile else None
         b0, i0 = counted("coalesce_batches_total"), counted("coalesce_inputs_total")
         c0 = time.process_time()
-        if prof is not None:
-            prof.enable()
-        with ops if ops is not None else contextlib.nullcontext():
+        with probe if probe is not None else contextlib.nullcontext():
             await run(msgs)
-        if prof is not None:
-            prof.disable()
         cpu = time.process_time() - c0
         ran = counted("coalesce_batches_total") - b0
         per_message = ran / (rounds * gateways)
@@ -193,12 +188,7 @@ async def _engine_rounds(
         for link in links:
             link.close()
     await engine.close()
-    text = ""
-    if prof is not None:
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
-        text = out.getvalue()
-    return cpu / (rounds * gateways * jobs) * 1e6, per_message, per_batch, text
+    return cpu / (rounds * gateways * jobs) * 1e6, per_message, per_batch
 
 
 async def _thread_round_trip(rounds: int) -> float:
@@ -340,7 +330,7 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
-            cache_mb: int = 0, model: str = "default", count_ops: bool = False) -> dict[str, Any]:
+            cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -349,9 +339,9 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     rows = []
     text = ""
     for n in jobs:
-        threaded, per_message, per_batch, _ = uvloop.run(
-            _engine_rounds(n, rounds, False, 0, gateways, cache_mb, model))
-        inline, _, _, _ = uvloop.run(_engine_rounds(n, rounds, True, 0, gateways, cache_mb, model))
+        threaded, per_message, per_batch = uvloop.run(
+            _engine_rounds(n, rounds, False, gateways, cache_mb, model_dir))
+        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
                      "inputs_per_batch": per_batch,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
@@ -360,12 +350,15 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     if importlib.util.find_spec("zmq") is not None:
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
-        _, _, _, text = uvloop.run(
-            _engine_rounds(jobs[-1], rounds, True, profile, gateways, cache_mb, model))
+        prof = cProfile.Profile()
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, prof))
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
+        text = out.getvalue()
     ops = None
     if count_ops:  # a run of its own too: tracing every bytecode slows it tens of times
         counter = _OpCounter()
-        uvloop.run(_engine_rounds(jobs[-1], rounds, True, 0, gateways, cache_mb, model, counter))
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, counter))
         requests = rounds * gateways * jobs[-1]
         ops = {"jobs": jobs[-1], "bytecodes": counter.ops / requests, "calls": counter.calls / requests,
                "top": counter.top(15, requests)}

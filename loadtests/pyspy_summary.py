@@ -13,18 +13,24 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import os
 import re
 from collections.abc import Iterable, Sequence
 
 _FRAME = re.compile(r"(.*?) \((.*?)(?::\d+)?\)$")
 
 
+def short_path(filename: str) -> str:
+    """A source file as the summaries name it: from its package down (what follows ``site-packages/``),
+    or relative to the working directory."""
+    return filename.split("site-packages/")[-1].removeprefix(os.getcwd() + os.sep)
+
+
 def _name(frame: str) -> str:
     m = _FRAME.match(frame)
     if m is None:
         return frame
-    where = m.group(2).split("site-packages/")[-1]
-    return f"{m.group(1)} ({where})"
+    return f"{m.group(1)} ({short_path(m.group(2))})"
 
 
 def summarise(lines: Iterable[str]) -> tuple[int, collections.Counter[str], collections.Counter[str]]:

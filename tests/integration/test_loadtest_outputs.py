@@ -207,7 +207,6 @@ def test_selftest_measures_the_generator_ceiling() -> None:
     # An instant stub on loopback: thousands a second on an idle machine, a few hundred on a loaded one.
     # Either way each client completes requests within the window; a rate per ms does not read so.
     assert c.closed_rps * duration >= c.concurrency, (c.closed_rps, c.closed_status)
-    assert c.closed_status.get("200", 0) >= c.concurrency
     assert c.tried and c.tried[0][0] == pytest.approx(round(c.closed_rps * 0.25))
     assert "Closed loop, 16 clients" in selftest.render(c)
 
