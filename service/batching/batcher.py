@@ -59,8 +59,8 @@ class RequestResult:
 
     Pooled: one row per input. Tokens: each input's ``len(ids)`` rows, one after the other (the caller
     knows its inputs' lengths, so it splits them). Read-only by convention, not frozen: one is built per
-    request on the engine's loop, where a frozen dataclass's ``__init__`` (``object.__setattr__`` per
-    field) cost four times a plain one's."""
+    request on the engine's loop, where a frozen dataclass's ``__init__`` goes through
+    ``object.__setattr__`` for every field (``Submission`` is plain for the same reason)."""
 
     rows: np.ndarray  # (rows, width) float32
     queue_s: float  # the longest any of its inputs waited for a batch

@@ -43,7 +43,7 @@ class ResultCache:
         where = (model, key)
         if size > self.capacity or where in self._rows:
             return
-        # (ndarray.copy: about half np.array(copy=True)'s call cost, paid for every row a batch computes)
+        # (ndarray.copy: a cheaper call than np.array(copy=True)'s keyword parsing, paid for every row kept)
         kept = row.copy() if row.dtype == np.float32 else row.astype(np.float32)
         self._rows[where] = (kept, size)
         self.bytes += size
