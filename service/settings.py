@@ -303,7 +303,8 @@ class Settings:
     )
     max_queue_wait_ms: float | None = _knob(
         "Sustained overload: while the queue stands (see --queue-target-ms), a request is admitted only "
-        "if it is predicted to have its first result within this many ms of its head arriving — the "
+        "if it is predicted to have its first result within nine tenths of this many ms of its head "
+        "arriving (an admitted one is dropped 429 late only once it cannot make the whole) — the "
         "time it already waited (event loop, body), the queue ahead of it in fair order (a query behind "
         "a bulk request waits one share, not the whole bulk), and its own forward. The rest is answered "
         "429 overloaded with Retry-After at once, before tokenising where it can, so admitted requests "

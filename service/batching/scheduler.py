@@ -46,6 +46,7 @@ from typing import Literal, NamedTuple
 from .admit import AdmissionConfig, Admitter, Refusal
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
+from .overload import ARRIVAL_WINDOW_S
 from .policy import Limits, PaddedCost, form_batch, window_size
 
 __all__ = [
@@ -257,7 +258,12 @@ class Scheduler:
         """
         expired, shed = self._drop_hopeless(now)
         step = self._next(now, expired, shed)
-        self.regime.observe(now)
+        if (self.regime.observe(now) and step.decision is None and self._queue.items == 0
+                and self.inflight == 0):
+            # A confirmed overload stands through a moment with nothing waiting (overload.Regime); with
+            # nothing to admit or run, nothing would observe it again: ask again once the arrivals
+            # window has passed, so that it ends (gauge and all) when the arrivals stop.
+            step = step._replace(decision=Wait(now + ARRIVAL_WINDOW_S))
         return step
 
     def _next(self, now: float, expired: list[Entry], shed: list[Entry]) -> Step:
@@ -359,6 +365,7 @@ class Scheduler:
     def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
         """A dispatched batch finished (``seconds`` None if it failed)."""
         self.inflight -= 1
+        self.admission.drained(seconds, now, self._queue.items > 0)
         if seconds is not None:
             self.cost.observe(padded_tokens, seconds)
         if self.inflight == 0:

@@ -48,6 +48,7 @@ def _scheduler(rng: random.Random, now: float) -> Scheduler:
         sched.precheck(rng.randint(1, 50), rng.randint(1, 200), 1, "default", 1.0, rng.randint(0, 2),
                        now - rng.uniform(0.0, 0.3), now)
     sched.regime.standing = rng.random() < 0.5
+    sched.admission.drain_pace = rng.choice([1.0, rng.uniform(1.0, 3.0)])  # (time besides forwards)
     return sched
 
 
@@ -72,7 +73,7 @@ def _summary(message: list[Request], now: float) -> tuple[int, int, int, int, in
 
 def test_a_message_admitted_at_once_is_one_that_admission_one_by_one_admits_whole() -> None:
     passed = refused = 0
-    for seed in range(1000):
+    for seed in range(1500):
         rng = random.Random(seed)
         now = 1000.0
         sched = _scheduler(rng, now)

@@ -6,13 +6,14 @@ that honour Retry-After get in, and shedding never refuses the high-priority or 
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
-from coalesce.service.batching.admit import HOLD_S
+from coalesce.service.batching.admit import DOOR, HOLD_S
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
 from coalesce.service.batching.overload import Regime, RetryPacer
-from coalesce.service.batching.scheduler import Dispatch, Scheduler
+from coalesce.service.batching.scheduler import Dispatch, Scheduler, Wait
 
 from .sim import Arrival, Result, poisson, simulate
 from .test_scheduler import CAPACITY, TARGET, TOKENS, A, B, adaptive, own_flows
@@ -54,7 +55,9 @@ def test_sustained_overload_sheds_the_excess_and_the_admitted_keep_their_latency
     assert share == pytest.approx(1 - 1 / load, abs=0.06)  # about half at 2×, three quarters at 4×
     assert res.pct(0.99) <= TARGET * 1.02  # 2% for the simulated runner's ±5% noise
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # goodput: the model stays busy
-    assert regime_at(res, 10.0) and not regime_at(res, res.end)  # it knows it stands, until it drains
+    # It knows it stands, until it drains. (At 4× the regime leaves and re-enters every few tenths of a
+    # second, STRICT covering the gaps: stood at one instant was a matter of phase, not of design.)
+    assert standing_share(res, 2.0, 20.0) >= 0.5 and not regime_at(res, res.end)
 
 
 def test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves() -> None:
@@ -88,11 +91,59 @@ def test_overload_on_a_machine_slower_than_its_warm_up_sheds_at_the_door_not_lat
     assert res.late <= 0.2 * refused(res), (res.late, dict(res.refused))
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_time_that_holds_the_model_besides_the_forward_is_counted_in_a_standing_queues_promises(
+    seed: int,
+) -> None:
+    # Each batch holds the model half as long again as its forward (the event loop's turn between
+    # batches, answering): the cost model is told the forwards only. 2× what the model really serves
+    # arrives. Predictions of forwards alone promised starts the queue did not keep: about a quarter of
+    # the refusals were admitted requests dropped late (1,101 and 1,121 of about 3,950) and the admitted
+    # p99 was 1.3-1.4× the target. At the drain pace they are refused at the door instead, and the
+    # admitted keep about their latency with the model as busy.
+    stall = 1.5
+    capacity = CAPACITY / stall
+    arrivals = own_flows(poisson(2.0 * capacity, 20.0, random.Random(seed), tokens=TOKENS))
+    res = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall)
+    assert res.late <= 0.1 * refused(res), (res.late, dict(res.refused))
+    assert res.pct(0.99) <= TARGET * 1.15
+    assert res.throughput((2.0, res.end)) >= 0.9 * capacity
+
+
+def test_the_drain_pace_is_wall_time_between_completions_over_forwards_while_work_waits() -> None:
+    sched = _standing_scheduler()
+    adm = sched.admission
+    before = adm.wait_s(10 * TOKENS, 1.0)
+    t = 1.0
+    for _ in range(8):  # forwards of 0.1 s, completions 0.15 s apart, work waiting throughout
+        t += 0.15
+        adm.drained(0.1, t, backlog=True)
+    assert adm.drain_pace == pytest.approx(1.5)
+    assert adm.wait_s(10 * TOKENS, t) == pytest.approx(before * 1.5, rel=1e-9)  # (busy_s is 0 here)
+    assert adm.batch_limit_s == pytest.approx(TARGET / 2 / 1.5)  # the model held half the bound
+    adm.regime.overload = False  # a burst's wait, or a queue standing a moment, is no promise: not scaled
+    assert adm.wait_s(10 * TOKENS, t) == pytest.approx(before, rel=1e-9)
+    adm.regime.overload = True
+    # Idle time is not the model's: after a completion that left nothing waiting, or a failed batch,
+    # the next completion starts a new run instead of counting the gap.
+    adm.drained(0.1, t + 0.15, backlog=False)
+    adm.drained(0.1, t + 5.0, backlog=True)
+    adm.drained(None, t + 5.2, backlog=True)
+    adm.drained(0.1, t + 9.0, backlog=True)
+    assert adm.drain_pace == pytest.approx(1.5)
+    t += 9.0
+    for _ in range(16):  # completions as fast as the forwards: back to 1 (never below)
+        t += 0.1
+        adm.drained(0.1, t, backlog=True)
+    assert adm.drain_pace == pytest.approx(1.0)
+
+
 def _standing_scheduler() -> Scheduler:
     sched = Scheduler(shedding(), CostModel(), lambda n, m: n * m)
     for n in (1, 8, 64):  # as warm-up measures it
         sched.cost.observe(n * TOKENS, A + B * n * TOKENS)
-    sched.regime.standing, sched.regime.capacity = True, 0.0  # an overload that goes on
+    sched.regime.standing, sched.regime.capacity = True, 0.0  # an overload that goes on,
+    sched.regime.overload = True  # confirmed (it has stood a whole interval more)
     sched.add([Entry(TOKENS, 1.0)])  # and a queue that has not emptied
     return sched
 
@@ -176,6 +227,13 @@ def test_a_held_burst_of_long_inputs_is_counted_as_its_inputs() -> None:
 
 def regime_at(res: Result, t: float) -> bool:
     return [standing for at, standing in res.standing if at <= t][-1]
+
+
+def standing_share(res: Result, t0: float, t1: float) -> float:
+    """The share of ``t0``..``t1`` the regime stood."""
+    marks = [*res.standing, (res.end, False)]
+    stood = sum(max(0.0, min(b, t1) - max(a, t0)) for (a, s), (b, _) in pairwise(marks) if s)
+    return stood / (t1 - t0)
 
 
 def test_the_regime_returns_to_good_after_the_overload_and_absorbs_the_next_burst() -> None:
@@ -326,6 +384,83 @@ def test_a_standing_queue_stands_until_arrivals_fall_clearly_below_the_model_s_r
     assert not regime.observe(1.3)  # 960 tokens/s does not make it stand again...
     regime.asked(60, 1.35)
     assert regime.observe(1.35)  # ...1,200 does
+
+
+def test_a_confirmed_overload_stands_through_the_moments_its_queue_is_empty() -> None:
+    regime = Regime(target_s=0.1, interval_s=0.5)
+    regime.capacity = 1000.0  # tokens per second
+    first = Entry(16, 0.0)
+    regime.add([first])
+    for t in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6):  # 2,000 tokens/s arriving throughout
+        regime.asked(500, t)
+    assert not regime.observe(0.2)  # old since 0.2
+    assert regime.observe(0.75) and not regime.overload  # it stands: a burst's moment, or not
+    assert regime.observe(1.3) and regime.overload  # a whole interval on: a confirmed overload
+    first.taken = True  # a batch took everything waiting (the rest was refused at the door)
+    assert regime.observe(1.35) and regime.overload  # arrivals go on: it still stands
+    assert not regime.observe(1.9) and not regime.overload  # arrivals stopped: it ends
+    # A queue that stood only a moment (not confirmed) is drained when it empties, as before: a burst
+    # still arriving stands for a moment too, and its retries must not meet a standing queue.
+    regime = Regime(target_s=0.1, interval_s=0.5)
+    regime.capacity = 1000.0
+    first = Entry(16, 0.0)
+    regime.add([first])
+    for t in (0.2, 0.4, 0.6, 0.8):
+        regime.asked(500, t)
+    regime.observe(0.2)
+    assert regime.observe(0.75) and not regime.overload
+    first.taken = True
+    assert not regime.observe(0.8)
+
+
+def test_a_confirmed_overload_ends_when_arrivals_stop_even_with_nothing_to_observe_it() -> None:
+    # Once it stands through an empty queue, no admission or batch may come to observe it again: the
+    # scheduler asks to be woken once the arrivals window has passed, and then it ends.
+    sched = _standing_scheduler()
+    sched.regime.capacity = sched.admission.capacity()
+    sched.regime.asked(100_000, 1.0)  # arrivals going on, far faster than the model serves
+    step = sched.next(1.0)  # takes what waits
+    assert isinstance(step.decision, Dispatch)
+    sched.done(step.decision.padded_tokens, 0.05, 1.05)
+    step = sched.next(1.05)
+    assert sched.standing and isinstance(step.decision, Wait)  # empty, standing, and it will look again
+    step = sched.next(step.decision.until)
+    assert not sched.standing and step.decision is None  # no arrivals for a window: the overload is over
+
+
+@pytest.mark.parametrize("load", [2.0, 4.0])
+def test_a_sustained_overload_is_shed_at_the_door_not_late(load: float) -> None:
+    # Before a confirmed overload stood through its empty moments, a batch that took all that waited
+    # ended the standing queue, the next target's worth of arrivals was admitted as a burst, and what
+    # could not keep the bound was dropped late, after being tokenised and queued: at 4× the queue stood
+    # 64% of the time and a sixth of the refusals (3,312 of 17,945) were late drops.
+    arrivals = own_flows(poisson(load * CAPACITY, 20.0, random.Random(3), tokens=TOKENS))
+    res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
+    assert standing_share(res, 2.0, 20.0) >= 0.95
+    assert res.late <= 0.04 * refused(res), (res.late, dict(res.refused))
+
+
+def test_a_standing_queue_promises_less_than_it_drops_at() -> None:
+    # Admission's line (DOOR of the bound) and the late drop's (the bound) differ by the prediction's
+    # slack: batches that hold the model 1.3× their forward, mispredicted while the drain pace learns
+    # it. With one line for both, the admitted p99 was 1.05× the target (523-529 ms at 2×).
+    sched = _standing_scheduler()
+    sched.add([Entry(TOKENS, 1.0, flow=i) for i in range(40)])
+    sched.regime.asked(100_000, 1.0)  # arrivals going on, far faster than the model serves
+    own = sched.admission.batch_s(TOKENS)
+    wait = sched.admission.wait_s(sched.queued_tokens, 1.0)
+    bound = shedding().max_queue_wait_s
+    # A request arriving now is promised its first result within DOOR of the bound: refused at the door
+    # when it would be predicted between the two lines...
+    elapsed = DOOR * bound - own - wait + 0.01
+    assert 0 < elapsed < bound - own - wait
+    assert sched.admit([TOKENS], "default", None, 1.0, arrived=1.0 - elapsed) is not None
+    for seed in (3, 4):
+        stall = 1.3
+        arrivals = own_flows(poisson(2.0 * CAPACITY / stall, 20.0, random.Random(seed), tokens=TOKENS))
+        res = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall)
+        assert res.pct(0.99) <= TARGET, seed  # ...and the admitted keep the target
+        assert res.throughput((2.0, res.end)) >= 0.95 * CAPACITY / stall, seed  # the model kept busy
 
 
 def test_a_low_priority_flood_does_not_refuse_high_priority_queries() -> None:
