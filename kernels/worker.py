@@ -170,51 +170,15 @@ def _settle(fut: asyncio.Future[BatchOutput], outcome: BatchOutput | Exception) 
         fut.set_result(outcome)
 
 
-class SpareCore:
-    """One thread fewer for the forward while a model's queue stands (``--spare-core``).
-
-    Under a sustained overload the event loop reads, checks and refuses the excess: on a CPU it then
-    needs a core, and a forward whose threads all share cores with it runs every parallel step at the
-    pace of the thread it slowed (a straggler at each barrier), so the refusals cost the model far more
-    than the event loop's own CPU. While any model's queue stands the forward runs on ``threads - 1``
-    threads, and on ``threads`` again once none does. The batchers report their queue's regime
-    (:meth:`standing`, on the event loop); the device thread applies the count before its next forward
-    (:meth:`apply`), since torch's thread count is set per calling thread."""
-
-    def __init__(self, threads: int, set_threads: Callable[[int], None]) -> None:
-        self.threads = threads  # the forward's usual count
-        self._set_threads = set_threads
-        self._standing: set[str] = set()  # models whose queue stands
-        self.wanted = threads
-        self.applied = threads
-
-    def standing(self, model: str, stands: bool) -> None:
-        """``model``'s queue now stands, or no longer does (any thread)."""
-        if stands:
-            self._standing.add(model)
-        else:
-            self._standing.discard(model)
-        self.wanted = max(1, self.threads - 1) if self._standing else self.threads
-
-    def apply(self) -> None:
-        """Device thread, before a forward: run it on the count wanted now."""
-        wanted = self.wanted
-        if wanted != self.applied:
-            self._set_threads(wanted)
-            self.applied = wanted
-
-
 class DeviceThread:
     """The single thread that owns a device: every forward, finish and warm-up runs here.
 
     ``after_batch``, when given, is called on this thread after every batch's forward (it must be quick:
-    the next batch waits for it); the engine passes the allocator's trimmer here. ``spare``, when set,
-    sizes each forward's threads to the queues' regime (:class:`SpareCore`)."""
+    the next batch waits for it); the engine passes the allocator's trimmer here."""
 
     def __init__(self, name: str = "device", after_batch: Callable[[], None] | None = None) -> None:
         self._pool = Lane(f"coalesce-{name}")
         self.after_batch = after_batch
-        self.spare: SpareCore | None = None
 
     @property
     def executor(self) -> Lane:
@@ -282,8 +246,6 @@ class ModelWorker:
 
     def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float]:
         # Device thread only.
-        if self._device.spare is not None:
-            self._device.spare.apply()
         t0 = time.perf_counter()
         if kind is OutputKind.TOKENS:
             if not self.runner.info.token_embeddings:

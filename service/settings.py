@@ -240,16 +240,6 @@ class Settings:
         "environment win for torch.",
         default=64,
     )
-    spare_core: bool = _knob(
-        "While a model's queue stands (a sustained overload, see --queue-target-ms), run a torch CPU "
-        "forward on one thread fewer than usual, so that the event loop answering and refusing the "
-        "excess has a core of its own: a forward whose threads share their cores with it waits at "
-        "every parallel step for the thread the event loop slowed, and the overload's refusals then cost "
-        "the model a large part of its rate (BENCHMARKS.md, overload). Back to all threads once the "
-        "queue keeps emptying. No effect with one thread, on a GPU, or on the ONNX/OpenVINO backends "
-        "(their threads are fixed when the session is made). --no-spare-core keeps every thread.",
-        default=True,
-    )
     cuda_graphs: bool = _knob(
         "Replay CUDA graphs captured per (batch, sequence) cell for BERT-family models, cutting kernel "
         "launch overhead at small batches; costs capture time at start-up and some GPU memory.",

@@ -257,12 +257,8 @@ class Batcher:
         cache: ResultCache | None = None,
         device: str = "",
         shape: Callable[[int, int], tuple[int, int]] | None = None,
-        on_standing: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._engine = engine
-        # Told (model, whether it stands) whenever the queue's regime changes: the forward's threads
-        # follow it (kernels.worker.SpareCore).
-        self._on_standing = on_standing
         self.model = model
         # For the batch spans: where the model runs, and the (rows, cols) a batch of n sequences of at
         # most m tokens is padded to (a CUDA graph cell); n × m for runners that do not say.
@@ -645,9 +641,6 @@ class Batcher:
         sched = self.scheduler
         queue = (sched.queued_items, sched.queued_tokens, sched.standing)
         if queue != self._queue_shown:  # a gauge write is a locked file write under --workers
-            before = self._queue_shown
-            if self._on_standing is not None and (before is None or queue[2] != before[2]):
-                self._on_standing(self.model, queue[2])
             self._queue_shown = queue
             self._series.queue_depth.set(queue[0])
             self._series.queued_tokens.set(queue[1])

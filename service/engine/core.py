@@ -11,7 +11,6 @@ taken from there, warmed up and with its cost-model seeds measured, instead.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
-from coalesce.kernels.worker import DeviceThread, ModelWorker, SpareCore
+from coalesce.kernels.worker import DeviceThread, ModelWorker
 
 from ..allocator import Trimmer
 from ..batching.batcher import Batcher
@@ -94,11 +93,9 @@ class Engine:
             scheduler = Scheduler(
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
             )
-            spare = self._spare_core(runner)
             batcher = Batcher(
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
                 device=str(runner.device), shape=getattr(runner, "padded_shape", None),
-                on_standing=spare.standing if spare is not None else None,
             )
             batcher.start()
             self.models.append(EngineModel(runner, worker, batcher, calibration))
@@ -120,21 +117,6 @@ class Engine:
                 preloaded=preloaded,
             )
         self.record_capture()
-
-    def _spare_core(self, runner: Runner) -> SpareCore | None:
-        """The device thread's :class:`SpareCore`, made at the first model whose forward is torch on the
-        CPU with more than one thread (``--spare-core``); None for a model it does not apply to."""
-        torch = sys.modules.get("torch")
-        if (not self._settings.spare_core or torch is None or not isinstance(runner.device, torch.device)
-                or runner.device.type != "cpu"):
-            return None
-        if self.device.spare is None:
-            threads = torch.get_num_threads()
-            if threads < 2:
-                return None
-            self.device.spare = SpareCore(threads, torch.set_num_threads)
-            log.info("spare_core", threads=threads, under_overload=threads - 1)
-        return self.device.spare
 
     def record_capture(self) -> None:
         """Graph runners' capture statistics into the gauges (after loading, and then periodically)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,8 +24,7 @@ from ..fakes import FakeRunner
 
 
 class Rig:
-    def __init__(self, runner: FakeRunner, cache: ResultCache | None = None,
-                 on_standing: Callable[[str, bool], None] | None = None, **kw: object) -> None:
+    def __init__(self, runner: FakeRunner, cache: ResultCache | None = None, **kw: object) -> None:
         self.runner = runner
         self.device = DeviceThread("test")
         self.worker = ModelWorker(runner, self.device)
@@ -33,8 +32,7 @@ class Rig:
         config = SchedulerConfig(**{"limits": Limits(64, 16384), **kw})  # type: ignore[arg-type]
         scheduler = Scheduler(config, CostModel(), runner.padded_cost)
         self.batcher = Batcher(
-            self.worker, model="fake", scheduler=scheduler, metrics=self.metrics, cache=cache,
-            on_standing=on_standing,
+            self.worker, model="fake", scheduler=scheduler, metrics=self.metrics, cache=cache
         )
         self.batcher.start()
 
@@ -313,33 +311,6 @@ async def test_a_standing_queue_refuses_at_the_door_and_answers_late_inputs_not_
         assert rig.sample("coalesce_rejected_total", reason="overloaded") == 1
         hints = sorted(o.retry_after for o in outcomes if isinstance(o, Overloaded))
         assert hints[0] < hints[1] < hints[2]  # told to come back one after the other
-    finally:
-        await rig.aclose()
-
-
-async def test_the_forward_is_told_when_the_queue_stands_and_when_it_no_longer_does() -> None:
-    # (kernels.worker.SpareCore sizes the forward's threads on what the batchers tell it.)
-    told: list[tuple[str, bool]] = []
-    rig = Rig(FakeRunner(batch_seconds=0.2), on_standing=lambda model, stands: told.append((model, stands)),
-              limits=Limits(1, 16384), max_queue_wait_s=5.0, queue_interval_s=0.0)
-    sched = rig.batcher.scheduler
-    try:
-        await rig.embed("before")
-        assert ("fake", True) not in told
-        running = asyncio.ensure_future(rig.embed("runs"))
-        waiting = asyncio.ensure_future(rig.embed("waits"))
-        await asyncio.sleep(0.05)
-        sched.regime.standing = True  # an overload going on: arrivals above what the model serves
-        sched.admission.capacity = lambda: 1.0  # type: ignore[method-assign]  (tokens/s)
-        during = asyncio.ensure_future(rig.embed("during"))
-        await asyncio.sleep(0.05)
-        assert ("fake", True) in told
-        await asyncio.gather(running, waiting, during)
-        sched.admission.capacity = lambda: 1e9  # type: ignore[method-assign]  (arrivals far below it)
-        await rig.embed("after")
-        await asyncio.sleep(0.1)
-        assert not sched.standing and told[-1] == ("fake", False)
-        assert told.count(("fake", True)) == 1  # once per change, not per batch
     finally:
         await rig.aclose()
 

@@ -5,13 +5,12 @@ or on it; and batches run in the order they were handed over."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from coalesce.kernels.protocol import OutputKind
-from coalesce.kernels.worker import BatchOutput, DeviceThread, ModelWorker, SpareCore
+from coalesce.kernels.worker import BatchOutput, DeviceThread, ModelWorker
 
 from ..fakes import FakeRunner
 
@@ -50,36 +49,6 @@ async def test_rows_and_failures_come_back_to_the_loop_in_order(overlap: bool) -
         with pytest.raises(ValueError, match="cannot pad"):
             await bad.run([[1, 2]])
         bad.close()
-    finally:
-        worker.close()
-        device.close()
-
-
-def test_a_spare_core_runs_forwards_on_one_thread_fewer_while_any_queue_stands() -> None:
-    set_to: list[tuple[int, str]] = []  # (threads, the thread that set them): torch's count is per thread
-    spare = SpareCore(4, lambda n: set_to.append((n, threading.current_thread().name)))
-    device = DeviceThread("spare")
-    device.spare = spare
-    worker = ModelWorker(FakeRunner(), device, overlap=False)
-    try:
-        def forward() -> None:
-            asyncio.run(worker.run([[1, 2, 3]]))
-
-        forward()
-        assert set_to == []  # calm: the usual count, nothing to change
-        spare.standing("a", True)
-        forward()
-        spare.standing("b", True)
-        spare.standing("a", False)  # b still stands
-        forward()
-        assert [n for n, _ in set_to] == [3]
-        spare.standing("b", False)
-        forward()
-        assert [n for n, _ in set_to] == [3, 4]  # every thread again once no queue stands
-        assert all(name.startswith("coalesce-spare") for _, name in set_to)  # on the device thread
-        one = SpareCore(1, lambda n: set_to.append((n, "")))
-        one.standing("a", True)
-        assert one.wanted == 1  # never below one thread
     finally:
         worker.close()
         device.close()
