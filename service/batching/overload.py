@@ -12,8 +12,8 @@ moment with nothing waiting, while arrivals stay above the rate: under a sustain
 the door, a batch often takes all that waits, and a queue that stopped standing there admitted the
 next ``target_s`` of arrivals as a burst, work that was then dropped late after being tokenised and
 queued, or served past the bound (in the simulator at 4× capacity it stood 64% of the time, and a
-sixth of what it refused was dropped late; standing on, 100% and a fortieth:
-``test_a_confirmed_overload_stands_through_the_moments_its_queue_is_empty``). Not before it is
+sixth of what it refused was dropped late; standing on, it stands throughout and drops at most a
+twenty-fifth: ``test_a_sustained_overload_is_shed_at_the_door_not_late``). Not before it is
 confirmed: standing on through any empty moment made the thousand-call burst of
 ``tests/integration/test_overload.py`` lose callers after their retries (2026-12-02, reverted), since
 a burst still arriving stands for a moment too. The signal is the age of the oldest input still waiting,
