@@ -470,6 +470,38 @@ def test_a_standing_queue_promises_less_than_it_drops_at(monkeypatch: pytest.Mon
             assert simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall).pct(0.99) > TARGET
 
 
+@pytest.mark.xfail(strict=True, reason="fair order lets later, longer one-input requests overtake a waiting "
+                   "short one under a standing queue (fair.py: a newcomer starts at clock - its tokens); "
+                   "not fixed yet: see the 2026-12-04 17:38 session's closing note")
+def test_short_requests_are_not_the_ones_dropped_late_under_a_sustained_overload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One-text requests of 4 to 28 tokens at 2×. Admission promises each a start by what waits ahead of
+    # it now; a request dropped late is one whose promise fair order did not keep. Whatever its length,
+    # a request should be about as likely to meet that fate. (Known defect: a newcomer's start tag is
+    # the flow clock minus its own tokens, and the clock advances by the tokens served over the number
+    # of waiting requests, a few a batch, so a longer request arriving batches later is ordered ahead
+    # of a short one that waited: 43% of those of at most 8 tokens were dropped late, 0.3% of those of
+    # 24 or more. Run with --runxfail to see the shares.)
+    late: list[int] = []
+    step = Scheduler.next
+
+    def recording(self: Scheduler, now: float) -> object:
+        out = step(self, now)
+        late.extend(e.n_tokens for e in out.late)
+        return out
+
+    monkeypatch.setattr(Scheduler, "next", recording)
+    arrivals = own_flows(poisson(2.0 * CAPACITY, 20.0, random.Random(3), tokens=lambda r: r.randint(4, 28)))
+    simulate(shedding(), arrivals, A, B, measure_from=2.0)
+    short = sum(1 for a in arrivals if a.tokens <= 8)
+    long_ = sum(1 for a in arrivals if a.tokens >= 24)
+    share_short = sum(1 for t in late if t <= 8) / short
+    share_long = sum(1 for t in late if t >= 24) / long_
+    assert share_short <= 2 * share_long + 0.02, (f"{share_short:.1%} of the requests of <= 8 tokens dropped "
+                                                  f"late, {share_long:.1%} of those of >= 24")
+
+
 def test_a_low_priority_flood_does_not_refuse_high_priority_queries() -> None:
     rng = random.Random(5)
     flood = own_flows(poisson(3.0 * CAPACITY, 15.0, rng, tokens=TOKENS, priority=2))
