@@ -144,6 +144,7 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         step_rows.append([f"{load:g}×", fmt(st.offered_rps), fmt(goodput), f"{goodput / capacity:.2f}×",
                           fmt(st.latency.p50_ms if st.latency else None), fmt(p99),
                           f"{refused / st.requests:.1%}" if st.requests else "-",
+                          _late_share(st),
                           ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-",
                           fmt(cpu / st.duration_s, 2) if st.duration_s else "-",
                           fmt(per_refusal) if per_refusal is not None and load > 1 else "-",
@@ -167,12 +168,21 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         + "\n\nOpen loop (Poisson, mix `short`, the capacity probe and every step driven by the raw client, "
         "`coalesce loadtest --client raw`; latency of admitted requests from their scheduled send "
         "time; event-loop CPU: the server's main thread, which reads, checks and answers every request; "
-        "per refusal: its CPU beyond what the admitted requests cost it at 0.5×, over the refusals):\n\n"
+        "per refusal: its CPU beyond what the admitted requests cost it at 0.5×, over the refusals; "
+        "late: the server's refusals (`coalesce_rejected_total`) that were admitted, decoded and tokenised "
+        "first, then dropped at dequeue):\n\n"
         + markdown_table(["load", "offered/s", "goodput/s", "÷ capacity", "p50 ms", "p99 ms", "refused",
-                          "answers", "event-loop CPU s/s", "event-loop CPU µs per refusal",
-                          "generator lag p99 ms"], step_rows)
+                          "late (of the server's refusals)", "answers", "event-loop CPU s/s",
+                          "event-loop CPU µs per refusal", "generator lag p99 ms"], step_rows)
         + "\n"
     )
+
+
+def _late_share(st: StepResult) -> str:
+    """The server's ``late`` refusals and their share of all it refused in the step ("-" if none)."""
+    refusals = sum(st.server_rejected.values())
+    late = st.server_rejected.get("late", 0)
+    return f"{late} ({late / refusals:.0%})" if refusals else "-"
 
 
 def _kinds(counts: object) -> str:
