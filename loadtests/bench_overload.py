@@ -180,8 +180,9 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
 
 def _late_share(st: StepResult) -> str:
     """The server's ``late`` refusals and their share of all it refused in the step ("-" if none)."""
-    refusals = sum(st.server_rejected.values())
-    late = st.server_rejected.get("late", 0)
+    rejected = st.batch.server_rejected if st.batch is not None else {}
+    refusals = sum(rejected.values())
+    late = rejected.get("late", 0)
     return f"{late} ({late / refusals:.0%})" if refusals else "-"
 
 
