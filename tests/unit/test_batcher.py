@@ -139,15 +139,23 @@ async def test_runner_failure_fails_only_its_batch_and_service_recovers() -> Non
         await rig.aclose()
 
 
-async def test_cancelled_items_are_never_computed(rig: Rig) -> None:
-    blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
-    await asyncio.sleep(0.005)
-    rig.batcher.submit(rig.seqs("abandoned one", "abandoned two")).cancel()
-    await blocker
-    await rig.embed("next")
-    assert sum(rig.runner.batches) == 2, "the cancelled inputs must not reach the runner"
-    assert rig.sample("coalesce_rejected_total", reason="cancelled") == 2
-    assert rig.batcher.scheduler.queued_tokens == 0
+async def test_cancelled_items_are_never_computed() -> None:
+    # A blocker long enough that it is still running when the cancelled request arrives, whatever pause
+    # the process takes meanwhile: with a 20-ms one, a collector pause of ~150 ms on CI's pinned run let
+    # it finish first, and the next step dispatched the request before its cancellation was seen.
+    rig = Rig(FakeRunner(batch_seconds=0.5))
+    try:
+        blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
+        while rig.batcher.scheduler.inflight == 0:
+            await asyncio.sleep(0.001)
+        rig.batcher.submit(rig.seqs("abandoned one", "abandoned two")).cancel()
+        await blocker
+        await rig.embed("next")
+        assert sum(rig.runner.batches) == 2, "the cancelled inputs must not reach the runner"
+        assert rig.sample("coalesce_rejected_total", reason="cancelled") == 2
+        assert rig.batcher.scheduler.queued_tokens == 0
+    finally:
+        await rig.aclose()
 
 
 async def test_queue_bound_answers_overloaded_with_retry_after() -> None:
