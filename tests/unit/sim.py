@@ -52,7 +52,7 @@ class Result:
     refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     expired: int = 0
     shed: int = 0
-    late: int = 0  # first inputs dropped at dequeue: the regime would no longer run them
+    late_tokens: list[int] = field(default_factory=list)  # each first input dropped at dequeue, its tokens
     retried: int = 0  # refusals (and late drops) that came back after their Retry-After
     failed: list[Arrival] = field(default_factory=list)  # refused or late with no retry left
     standing: list[tuple[float, bool]] = field(default_factory=list)  # (time, regime) at each change
@@ -61,6 +61,11 @@ class Result:
     max_queued_tokens: int = 0
     end: float = 0.0
     waiting_at_end: int = 0
+
+    @property
+    def late(self) -> int:
+        """First inputs dropped at dequeue: the regime would no longer run them."""
+        return len(self.late_tokens)
 
     def pct(self, q: float, values: list[float] | None = None) -> float:
         vals = sorted(self.latencies if values is None else values)
@@ -171,7 +176,7 @@ def simulate(
             decision, expired, shed, late, retry_after = sched.next(now)
             res.expired += len(expired)
             res.shed += len(shed)
-            res.late += len(late)
+            res.late_tokens += [e.n_tokens for e in late]
             for e, after in zip(late, retry_after, strict=True):
                 come_back(e.payload, now, after)
             if not res.standing or res.standing[-1][1] != sched.standing:

@@ -141,8 +141,9 @@ async def test_runner_failure_fails_only_its_batch_and_service_recovers() -> Non
 
 async def test_cancelled_items_are_never_computed() -> None:
     # A blocker long enough that it is still running when the cancelled request arrives, whatever pause
-    # the process takes meanwhile: with a 20-ms one, a collector pause of ~150 ms on CI's pinned run let
-    # it finish first, and the next step dispatched the request before its cancellation was seen.
+    # the process takes meanwhile: with a 20-ms one, CI's pinned run twice saw the blocker's batch take
+    # ~150 ms and the cancelled inputs computed (the pause's cause not established), which a step that
+    # dispatched them before the cancellation's callback ran would explain.
     rig = Rig(FakeRunner(batch_seconds=0.5))
     try:
         blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))

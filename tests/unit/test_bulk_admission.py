@@ -49,6 +49,7 @@ def _scheduler(rng: random.Random, now: float) -> Scheduler:
                        now - rng.uniform(0.0, 0.3), now)
     sched.regime.standing = rng.random() < 0.5
     sched.admission.drain_pace = rng.choice([1.0, rng.uniform(1.0, 3.0)])  # (time besides forwards)
+    sched.regime.overload = sched.regime.standing and rng.random() < 0.5  # (admit() then counts the pace)
     return sched
 
 
