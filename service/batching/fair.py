@@ -31,6 +31,15 @@ class). Inputs are charged at all three levels when they are taken into a batch;
   stream of new requests cannot hold back an input already waiting: that input's start tag is fixed,
   and once the clock has passed it, newcomers queue behind it. Under overload by many requests, each
   one gets about its share: a request among N waiting ones gets about 1/N of the tokens served.
+* A **flow** (a request) is credited the mean input of its class's waiting inputs, not its own ``n``:
+  ``max(floor, clock - mean)``. The flow clock moves by the tokens served over the number of waiting
+  requests, a few tokens a batch with hundreds of them, so a credit of its own length let a request
+  arriving batches later be ordered ahead of a shorter one that had waited: under a sustained overload
+  the short requests (queries) were the ones that missed the start admission promised them and were
+  dropped late, 43% of those of at most 8 tokens against 0.3% of those of 24 or more in the simulator
+  (``tests/unit/test_overload.py::test_short_requests_are_not_the_ones_dropped_late_under_a_sustained_overload``).
+  One credit for every newcomer of the moment keeps them in arrival order, as one-input requests expect.
+  Tenants and classes, which come and go far less often, keep their own ``n``.
 
 Nothing of a child that emptied is used when it comes back: its ``vtime`` is set afresh (an empty flow is
 dropped at once; the batcher's flows are requests, which never come back). Having been served ahead of
@@ -174,7 +183,9 @@ class FairQueue:
             f = c.flows.get(e.flow)
             if f is None:
                 order = c.order
-                start = max(order[0][0], c.clock - e.n_tokens) if order else c.clock
+                # (The class's mean waiting input as the credit, not this input's own tokens: see
+                # "Joining" above. ``order`` is non-empty, so the class has inputs waiting.)
+                start = max(order[0][0], c.clock - c.tokens / c.items) if order else c.clock
                 f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, e)
                 key = f.order_key = (start, start + e.n_tokens, f.seq, f)
                 if not order or order[-1] < key:

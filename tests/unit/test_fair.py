@@ -66,6 +66,33 @@ def test_a_newcomer_after_a_batch_without_the_bulk_still_goes_first(newcomer: di
     assert q.window(1) == [late]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_later_longer_requests_do_not_overtake_waiting_short_ones_under_a_standing_queue(seed: int) -> None:
+    # 40 one-text requests of 4 to 28 tokens arrive between batches of 32: the queue stands and grows.
+    # Admission promised each request a start by what waited ahead of it, so a later request must not
+    # go far ahead of an earlier one, however long either is: a short query overtaken batch after batch
+    # by longer newcomers misses that promise and is refused late. Requests that arrive together may
+    # go shortest first (ties), so a batch spans a few arrival intervals, not many; and the longest wait
+    # is the same for short and long requests. (With a newcomer credited its own length against a flow
+    # clock that moves a few tokens a batch, a batch spanned 18 intervals and short requests waited up to
+    # 20 batches, long ones 6.)
+    rng = random.Random(seed)
+    q = FairQueue(WEIGHTS)
+    spans: list[int] = []
+    waits: dict[bool, list[int]] = {True: [], False: []}  # short (<= 8 tokens) or long (>= 24)
+    for step in range(60):
+        q.add([Entry(rng.randint(4, 28), float(step), flow=(step, i)) for i in range(40)])
+        batch = q.window(32)
+        q.take(batch, charge=True)
+        spans.append(int(max(e.arrival for e in batch) - min(e.arrival for e in batch)))
+        for e in batch:
+            if e.n_tokens <= 8 or e.n_tokens >= 24:
+                waits[e.n_tokens <= 8].append(step - int(e.arrival))
+    assert q.items > 400  # the queue stood throughout
+    assert max(spans) <= 4
+    assert abs(max(waits[True]) - max(waits[False])) <= 2, (max(waits[True]), max(waits[False]))
+
+
 def test_an_idle_flow_tenant_or_class_earns_no_credit() -> None:
     q = FairQueue(WEIGHTS)
     q.add(entries(5, flow="returning", tenant="a"))
