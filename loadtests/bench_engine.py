@@ -6,6 +6,9 @@ still works across gateways.
   request of the engine process and of the gateway processes, beside one process (``--workers 1``)
   and the aiohttp stub (``coalesce.loadtests.stub``) under the same load; from those, the ceiling of
   one engine and of a 16-core host.
+* Where the live engine's and a gateway's interpreter lock go at saturation (``py-spy record --gil``,
+  when py-spy is installed: the ``loadtest`` extra), and how the engine's cost per request falls as its
+  batches grow (saturation at 64 clients beside 16).
 * What remains of the engine's cost, without HTTP or sockets (``coalesce.loadtests.engine_ops``): its
   Python per request at 1, 4 and 16 requests a message, the device-thread hand-off per batch, and a
   message's round trip to another process.
@@ -17,15 +20,21 @@ still works across gateways.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from coalesce.loadtests import procs, servers
+import msgspec
+from coalesce.loadtests import procs, pyspy_summary, servers
 from coalesce.loadtests.bench_sections import (
     CLIENTS,
     ROUNDS,
@@ -43,6 +52,13 @@ from coalesce.loadtests.workload import Mix
 
 OPEN_RATE = 1200
 SATURATING_CLIENTS = 16
+MANY_CLIENTS = 64  # the same saturation with bigger batches: how the engine's per-batch costs spread
+SAMPLE_S = 8  # py-spy's sampling of the engine and of one gateway, at once, under the 16-client load
+# The calls that make a system call waking another process or thread, by the name py-spy gives the
+# Python function making it (its C calls count as its own samples): a message to the other side of the
+# engine's sockets, the hand-off of a batch to the device thread and the device thread's answer to the
+# event loop, an HTTP response's write to its client, the event loop's own wait and reads (``run``).
+WAKE_CALLS = ("Link.send", "Lane.call", "ModelWorker.start.<locals>.reply", "StreamWriter._writelines")
 NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--cache-mb", "0",
         "--log-level", "warning"]
 PROJECTED_CORES = 16
@@ -68,6 +84,77 @@ def _all_ready(url: str, timeout: float = 120.0) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"{url}: not every process became ready")
+
+
+Samples = dict[str, tuple[int, Any, Any]]  # process name -> pyspy_summary.summarise's (total, inclusive, own)
+
+
+def _sample(pids: dict[str, int], seconds: int) -> Samples | str:
+    """``py-spy record --gil`` of each of ``pids`` (by name) at once for ``seconds``: the samples of the
+    thread holding the interpreter lock, summarised (``pyspy_summary``); or why there are none."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        return "py-spy is not installed: `pip install 'coalesce[loadtest]'`"
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: subprocess.Popen(
+            [spy, "record", "-p", str(pid), "-r", "200", "-d", str(seconds), "--nonblocking", "--gil",
+             "-f", "raw", "-o", f"{tmp}/{name}.raw"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True) for name, pid in pids.items()}
+        out = {}
+        for name, run in runs.items():
+            _, err = run.communicate(timeout=seconds + 30)
+            path = Path(tmp) / f"{name}.raw"
+            if run.returncode != 0 or not path.exists():  # (it needs ptrace: root, or CAP_SYS_PTRACE)
+                return f"py-spy failed on the {name}: {err.strip().splitlines()[-1] if err.strip() else '?'}"
+            with path.open(encoding="utf-8", errors="replace") as f:
+                out[name] = pyspy_summary.summarise(f)
+        return out
+
+
+def wake_share(own: dict[str, int], total: int, calls: Iterable[str] = WAKE_CALLS) -> float:
+    """The share of ``total`` samples whose own function is one of ``calls`` (names without their file)."""
+    wanted = set(calls)
+    return sum(n for name, n in own.items() if name.split(" (")[0] in wanted) / max(total, 1)
+
+
+def _profile(samples: Samples | str, top: int = 12) -> str:
+    if isinstance(samples, str):
+        return f"**Where the lock goes, live**: not sampled ({samples}).\n\n"
+    rows = []
+    names = list(samples)
+    tops = {name: own.most_common(top) for name, (_, _, own) in samples.items()}
+    for i in range(top):
+        row = []
+        for name in names:
+            total = samples[name][0]
+            got = tops[name][i] if i < len(tops[name]) else None
+            row += [got[0] if got else "", f"{100 * got[1] / max(total, 1):.1f}%" if got else ""]
+        rows.append(row)
+    shares = ", ".join(f"the {name}'s {100 * wake_share(own, total):.0f}% ({total:,} samples)"
+                       for name, (total, _, own) in samples.items())
+    return (
+        f"**Where the lock goes, live** (`py-spy record --gil`, {SAMPLE_S} s at once of the engine and of "
+        f"one gateway of the null `--workers 2` server under the {SATURATING_CLIENTS}-client load above; a "
+        "function's own samples, which count the C calls it makes, as shares of all the process's samples). "
+        f"The calls that wake another process or thread ({', '.join(f'`{c}`' for c in WAKE_CALLS)}: the "
+        "sockets between the processes, the device thread's hand-off and answer, the HTTP response's write) "
+        f"took {shares}:\n\n"
+        + markdown_table([h for name in names for h in (f"{name}: function", "own")], rows)
+        + "\n\n"
+    )
+
+
+def _sample_under_load(server: Any, scenario: Scenario, out: Path) -> Samples | str:
+    """:func:`_sample` of ``server``'s engine and of one of its gateways while ``scenario`` (a few
+    seconds longer than the sampling) loads it."""
+    kids = {procs.role(pid): pid for pid in procs.children(server.proc.pid)}  # (one gateway of them)
+    load = msgspec.structs.replace(scenario, duration=SAMPLE_S + 4.0, warmup=1.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_run, server.url, load, "null --workers 2 sampled", out)
+        time.sleep(2.0)  # past the warm-up
+        samples = _sample({"engine": kids["engine"], "gateway": kids["gateway"]}, SAMPLE_S)
+        running.result()
+    return samples
 
 
 # engine_ops' second run: this many gateways, a message of 1 or 2 requests each, read in one turn
@@ -124,6 +211,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         (f"saturation, {SATURATING_CLIENTS} clients",
          Scenario(mode=Mode.CLOSED, concurrency=SATURATING_CLIENTS, duration=seconds, warmup=1.0,
                   mix=Mix.SHORT)),
+        (f"saturation, {MANY_CLIENTS} clients",
+         Scenario(mode=Mode.CLOSED, concurrency=MANY_CLIENTS, duration=seconds, warmup=1.0, mix=Mix.SHORT)),
     )
     # Every server stays up for the whole part and the runs interleave (ROUNDS rounds of each load on
     # each server; the round of median total CPU is reported).
@@ -146,6 +235,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
             return {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6 for role in after}, st
 
         runs = interleaved([(name, load) for load, _ in loads for name in started], cost)
+        samples = _sample_under_load(started["--workers 2"], loads[1][1], out)
     cost_rows = []
     costs: dict[tuple[str, str], dict[str, float]] = {}
     for load, _ in loads:
@@ -159,6 +249,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
                 f"{per['engine']:,.0f}" if "engine" in per else "-",
                 f"{per['gateway']:,.0f}" if "gateway" in per else "-",
                 f"{total:,.0f}", f"{total / sum(costs['stub', load].values()):.2f}×",
+                fmt(st.batch.mean_batch_size, 2) if st.batch else "-",
                 fmt(lat.p50_ms) if lat else "-", fmt(lat.p99_ms) if lat else "-",
             ])
     at_rate, saturated = loads[0][0], loads[1][0]
@@ -225,7 +316,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         "(`coalesce.loadtests.stub`: aiohttp answering a canned 384-wide vector) is the floor for any "
         "Python gateway.\n\n"
         + markdown_table(["server", "load", "achieved/s", "engine µs/req", "gateways µs/req",
-                          "total µs/req", "÷ stub", "p50 ms", "p99 ms"], cost_rows)
+                          "total µs/req", "÷ stub", "mean batch", "p50 ms", "p99 ms"], cost_rows)
         + f"\n\nAt {saturated} one process spends {single:,.0f} µs per request; split, the engine spends "
         f"{engine_us:,.0f} µs and the gateways {gateway_us:,.0f} µs. Projection for a "
         f"{PROJECTED_CORES}-core host (one core for the engine, {PROJECTED_CORES - 1} for gateways): one "
@@ -233,6 +324,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         f"tops out near **{ceiling:,.0f} small requests/s** whatever the model (before the model's own "
         "time). Small requests only: a request of many inputs costs the gateway more and the engine "
         "about the same per input.\n\n"
+        + _profile(samples)
         + remains
         + f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, both up at "
         f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of "
