@@ -336,6 +336,38 @@ def test_an_overload_from_an_idle_queue_holds_its_start_to_the_bound_once_confir
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # the model kept busy meanwhile
 
 
+@pytest.mark.xfail(strict=True, reason="each 2x phase's first seconds are admitted as a burst (issue 23's "
+                   "soak p99); not fixed: see the 2026-12-04 21:02 session's closing note")
+def test_alternating_half_and_double_capacity_keeps_every_double_phase_within_the_target() -> None:
+    # `make soak`'s load on the virtual clock: 30-s phases of 0.5x and 2x capacity, four of each. A
+    # steady 2x holds the admitted p99 within the target (above); here every 2x phase starts from a
+    # queue that keeps emptying, so its first interval or two are admitted as a burst, up to the burst
+    # bound, and served. Known defect: those are the whole excess. The 2x phases' p99 ran 0.73-0.78 s
+    # against 0.5 s, and their first 2 s alone 0.87-0.92 s, while the rest of each phase held 0.43-0.47 s
+    # (seed 7, the phases' p99 and the first 2 s's are in the assertion's message). Holding a burst's
+    # admission to the standing bound sooner loses callers of the thousand-call burst (the tests above
+    # and the overload module's docstring): the onset of a sustained overload and a burst still arriving
+    # look alike until one of them stops.
+    rng = random.Random(7)
+    phase_s, arrivals = 30.0, []
+    for k in range(8):
+        arrivals += poisson((0.5 if k % 2 == 0 else 2.0) * CAPACITY, phase_s, rng, start=k * phase_s,
+                            tokens=TOKENS)
+    res = simulate(shedding(), own_flows(sorted(arrivals, key=lambda a: a.time)), A, B)
+    whole: dict[int, list[float]] = {k: [] for k in range(1, 8, 2)}
+    onset: dict[int, list[float]] = {k: [] for k in range(1, 8, 2)}
+    for batch in res.batches:
+        for e in batch.entries:
+            k = int(e.arrival // phase_s)
+            if k in whole:
+                whole[k].append(batch.end - e.arrival)
+                if e.arrival - k * phase_s < 2.0:
+                    onset[k].append(batch.end - e.arrival)
+    p99 = {k: res.pct(0.99, v) for k, v in whole.items()}
+    first = {k: round(res.pct(0.99, v), 2) for k, v in onset.items()}
+    assert max(p99.values()) <= TARGET * 1.02, f"2x phases' p99 {p99}, their first 2 s {first}"
+
+
 def test_a_standing_queue_is_confirmed_an_overload_after_a_whole_interval() -> None:
     regime = Regime(target_s=0.1, interval_s=0.5)
     regime.capacity = 1000.0
