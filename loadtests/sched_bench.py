@@ -116,7 +116,10 @@ def run(version: tuple[ModuleType, ModuleType, ModuleType], work: Workload, seed
     sched = mod.Scheduler(config, cost.CostModel(), lambda n, longest: n * longest)
     for n, length in ((1, 16), (8, 64)):
         sched.cost.observe(n * length, work.a + work.b * n * length)
-    has_flow = "flow" in mod.Entry.__dataclass_fields__
+    # (Entry was a dataclass before it was a msgspec Struct; a version from before flows has no ``flow``.)
+    entry = mod.Entry
+    fields: Any = getattr(entry, "__struct_fields__", None) or getattr(entry, "__dataclass_fields__", ())
+    has_flow = "flow" in fields
     clock = time.perf_counter
     spent = 0.0
     done = 0

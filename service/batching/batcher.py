@@ -20,10 +20,10 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, cast
 
+import msgspec
 import numpy as np
 from coalesce.kernels.protocol import OutputKind, is_raw, marks
 
@@ -53,14 +53,14 @@ class Engine(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class RequestResult:
+class RequestResult(msgspec.Struct, eq=False):
     """What one request's caller gets: its rows, inputs in order, and the timings of its batches.
 
     Pooled: one row per input. Tokens: each input's ``len(ids)`` rows, one after the other (the caller
-    knows its inputs' lengths, so it splits them). Read-only by convention, not frozen: one is built per
-    request on the engine's loop, where a frozen dataclass's ``__init__`` goes through
-    ``object.__setattr__`` for every field (``Submission`` is plain for the same reason)."""
+    knows its inputs' lengths, so it splits them). Read-only by convention. A msgspec Struct: one is built
+    per request on the engine's loop, and a Struct is built in C where a dataclass runs a generated
+    ``__init__`` of Python (a frozen one through ``object.__setattr__`` for every field);
+    ``Submission`` and the fair queue's ``Entry`` likewise."""
 
     rows: np.ndarray  # (rows, width) float32
     queue_s: float  # the longest any of its inputs waited for a batch
@@ -71,11 +71,10 @@ class RequestResult:
 Reply = Callable[[Hashable, "RequestResult | CoalesceError"], None]
 
 
-@dataclass(slots=True)
-class Submission:
+class Submission(msgspec.Struct, eq=False):
     """One request of a message, for :meth:`Batcher.enqueue_many`: what :meth:`Batcher.enqueue` takes,
-    ``tag`` what its reply is called with. (Not frozen: a frozen dataclass is built through
-    ``object.__setattr__``, twice the cost, and the engine builds one per request.)"""
+    ``tag`` what its reply is called with. (A msgspec Struct, as :class:`RequestResult`: the engine
+    builds one per request.)"""
 
     seqs: Sequence[Sequence[int]]
     tag: Hashable
@@ -88,36 +87,31 @@ class Submission:
     link: bytes | None = None
 
 
-class Ticket:
+class Ticket(msgspec.Struct, eq=False):
     """One request's inputs in flight: how it is answered, and the rows gathered so far.
 
     It is answered once, through ``reply(tag, outcome)`` on the event loop: with its rows when the last
     input's arrive, or with the first failure. ``submit`` makes ``reply`` resolve the caller's future;
     the engine process passes one that files the answer into its next message to the gateway, so a
     request costs no future and no callback. A ticket answered with a failure, or withdrawn, has its
-    inputs still waiting swept from the queue, never computed. ``starts`` (token output only) is where
-    each input's rows begin in the request's rows; pooled inputs have one each.
+    inputs still waiting swept from the queue, never computed. ``size`` inputs, ``left`` of them still to
+    come (``size`` at first); ``total`` rows (``size`` for pooled output); ``starts`` (token output only)
+    is where each input's rows begin in the request's rows; pooled inputs have one each. A Struct, as
+    :class:`RequestResult`: one per request.
     """
 
-    __slots__ = (
-        "batches", "done", "forward_s", "left", "link", "queue_s", "reply", "rows", "size", "starts", "tag",
-        "total",
-    )
-
-    def __init__(self, reply: Reply, tag: Hashable, size: int, starts: list[int] | None = None,
-                 total: int | None = None, link: bytes | None = None) -> None:
-        self.reply = reply
-        self.tag = tag
-        self.done = False  # answered, or withdrawn: nobody wants its rows any more
-        self.link = link  # the request's sampled span (tracing on), which its batches' spans link
-        self.batches: tuple[bytes, ...] = ()
-        self.size = size
-        self.left = size
-        self.starts = starts
-        self.total = size if total is None else total
-        self.queue_s = 0.0
-        self.forward_s = 0.0
-        self.rows: np.ndarray | None = None
+    reply: Reply
+    tag: Hashable
+    size: int
+    left: int
+    total: int
+    starts: list[int] | None = None
+    link: bytes | None = None  # the request's sampled span (tracing on), which its batches' spans link
+    done: bool = False  # answered, or withdrawn: nobody wants its rows any more
+    batches: tuple[bytes, ...] = ()
+    queue_s: float = 0.0
+    forward_s: float = 0.0
+    rows: np.ndarray | None = None
 
     def put(self, index: int, block: np.ndarray, queue_s: float, forward_s: float) -> None:
         """Input ``index`` of the request came out as ``block`` (its rows, a view of the batch's)."""
@@ -148,23 +142,19 @@ class Ticket:
         return self.left > 1
 
 
-class _Work:
+class _Work(msgspec.Struct, eq=False):
     """One distinct input waiting or running, and every (request, position) waiting for its row.
 
     Identical inputs of requests that overlap in time are computed once: a later one joins the
     waiters of the work already queued (or running) instead of queueing again.
     """
 
-    __slots__ = ("deadline", "entry", "ids", "key", "priority", "waiters")
-
-    def __init__(self, ids: Sequence[int], key: bytes, job: Ticket, index: int, deadline: float | None,
-                 priority: int) -> None:
-        self.entry: Entry | None = None  # its place in the scheduler's queue
-        self.ids = ids
-        self.key = key
-        self.waiters = [(job, index)]
-        self.deadline = deadline
-        self.priority = priority
+    ids: Sequence[int]
+    key: bytes
+    waiters: list[tuple[Ticket, int]]
+    deadline: float | None
+    priority: int
+    entry: Entry | None = None  # its place in the scheduler's queue
 
     def abandoned(self) -> bool:
         """Every request waiting for it has finished (failed, cancelled): nobody wants it now."""
@@ -462,9 +452,12 @@ class Batcher:
         counts = [0, 0, 0]
         by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
         for r, f in zip(requests, replies, strict=True):
-            arrived = _arrival(r, now)
-            hits, shared, fresh = self._sort(r)
-            job, entries = self._join(r, arrived, f, hits, shared, fresh, counts)
+            arrived = now if r.arrived is None or r.arrived > now else r.arrived  # (_arrival, inline)
+            if len(r.seqs) == 1 and r.kind is OutputKind.POOLED:
+                job, entries = self._join_one(r, arrived, f, counts)
+            else:
+                hits, shared, fresh = self._sort(r)
+                job, entries = self._join(r, arrived, f, hits, shared, fresh, counts)
             if entries:
                 added.append((entries, len(r.seqs)))
                 # (no generator for the common one-input request: the engine's lock under load, 2026-12-04)
@@ -516,9 +509,10 @@ class Batcher:
         seqs, deadline, kind, inflight = r.seqs, r.deadline, r.kind, self._inflight
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
-            job = Ticket(reply, r.tag, len(seqs), starts=[0, *ends[:-1]], total=ends[-1], link=r.link)
+            job = Ticket(reply, r.tag, len(seqs), len(seqs), ends[-1], starts=[0, *ends[:-1]], link=r.link)
         else:
-            job = Ticket(reply, r.tag, len(seqs), link=r.link)
+            n = len(seqs)
+            job = Ticket(reply, r.tag, n, n, n, link=r.link)
         if self._cache is not None:
             counts[0] += len(hits)
             counts[1] += len(seqs) - len(hits)
@@ -534,7 +528,7 @@ class Batcher:
         tenant, weight, priority = r.tenant, r.weight, r.priority
         for key, positions in fresh.items():
             first = positions[0]
-            work = _Work(seqs[first], key, job, first, deadline, priority)
+            work = _Work(seqs[first], key, [(job, first)], deadline, priority)
             if len(positions) > 1:
                 work.waiters += [(job, p) for p in positions[1:]]
             inflight[key] = work
@@ -543,6 +537,38 @@ class Batcher:
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
         return job, entries
+
+    def _join_one(self, r: Submission, arrived: float, reply: Reply, counts: list[int]
+                  ) -> tuple[Ticket, list[Entry]]:
+        """:meth:`_sort` then :meth:`_join` for an admitted request of one input of pooled output (the
+        common query), in one call with no lists or dicts between them: the same ticket, entries and
+        counts (``tests/unit/test_batcher.py`` holds the two paths to one outcome)."""
+        ids = r.seqs[0]
+        key = _PLAIN_HEADS[OutputKind.POOLED] + array("i", ids).tobytes() if type(ids) is list \
+            else input_key(ids)
+        job = Ticket(reply, r.tag, 1, 1, 1, link=r.link)
+        cache = self._cache
+        if cache is not None:
+            block = cache.get(self.model, key)
+            if block is not None:
+                counts[0] += 1
+                job.put(0, block, 0.0, 0.0)
+                return job, []
+            counts[1] += 1
+        deadline = r.deadline
+        work = self._inflight.get(key)
+        if work is not None and r.priority >= work.priority:  # not more urgent than the work it joins
+            counts[2] += 1
+            work.waiters.append((job, 0))
+            if deadline is None or (work.deadline is not None and deadline > work.deadline):
+                work.deadline = deadline
+                if work.entry is not None:
+                    self.scheduler.extend_deadline(work.entry, deadline)
+            return job, []
+        work = self._inflight[key] = _Work(ids, key, [(job, 0)], deadline, r.priority)
+        entry = work.entry = Entry(len(ids), arrived, r.tenant, r.weight, r.priority, deadline, work, job,
+                                   OutputKind.POOLED)
+        return job, [entry]
 
     def _count(self, counts: list[int]) -> None:
         hits, misses, deduplicated = counts

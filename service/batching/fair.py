@@ -61,17 +61,21 @@ from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
+
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DEFAULT_TENANT = "default"
 IDLE_TENANTS_KEPT = 1024  # tenants kept before idle ones are dropped
 
 
-@dataclass(slots=True, eq=False)
-class Entry:
+class Entry(msgspec.Struct, eq=False):
     """One input waiting for a batch. ``payload`` is the batcher's (its future); never read here.
 
     ``flow`` groups the inputs that share a class fairly as one (the batcher uses one key per request);
-    None is the tenant's shared flow for that class.
+    None is the tenant's shared flow for that class. Compared and hashed by identity.
+
+    A msgspec Struct, not a dataclass: the engine builds one per request input, and a Struct is built
+    in C where a dataclass runs a generated ``__init__`` of Python, one assignment a field.
     """
 
     n_tokens: int
@@ -86,8 +90,8 @@ class Entry:
     bulk: bool = False  # part of a request of many inputs (the scheduler sets it; see interactive_batch_s)
     lead: bool = False  # its request's first input, whose start admission judged (see admit.py)
     strict: bool = False  # a lead admitted while the queue stood or soon after: held to its bound (late)
-    taken: bool = field(default=False, repr=False)
-    _flow: _Flow | None = field(default=None, init=False, repr=False)  # set by FairQueue.add
+    taken: bool = False
+    _flow: _Flow | None = None  # set by FairQueue.add (never passed in)
 
     @property
     def queued(self) -> bool:
@@ -99,19 +103,17 @@ _Key = tuple[float, float, int, "_Flow"]  # (start tag, finish tag, join order, 
 _Part = TypeVar("_Part", "_Class", "_Tenant")
 
 
-class _Flow:
-    """One flow of a class: its waiting inputs in arrival order (taken ones linger in the middle)."""
+class _Flow(msgspec.Struct, eq=False):
+    """One flow of a class: its waiting inputs in arrival order (taken ones linger in the middle). A
+    Struct, as :class:`Entry`: a one-input request is a flow of its own."""
 
-    __slots__ = ("cls", "entries", "items", "key", "order_key", "seq", "vtime")
-
-    def __init__(self, key: Hashable, seq: int, cls: _Class, vtime: float, first: Entry) -> None:
-        self.key = key
-        self.seq = seq  # join order: the last tie-break
-        self.cls = cls
-        self.vtime = vtime  # tokens served (a flow's weight is 1): the start tag of its first waiting input
-        self.entries: deque[Entry] = deque((first,))
-        self.items = 1
-        self.order_key: _Key | None = None  # its place in cls.order while it has waiting inputs
+    key: Hashable
+    seq: int  # join order: the last tie-break
+    cls: _Class
+    vtime: float  # tokens served (a flow's weight is 1): the start tag of its first waiting input
+    entries: deque[Entry]
+    items: int = 1
+    order_key: _Key | None = None  # its place in cls.order while it has waiting inputs
 
 
 @dataclass(slots=True, eq=False)
@@ -186,7 +188,7 @@ class FairQueue:
                 # (The class's mean waiting input as the credit, not this input's own tokens: see
                 # "Joining" above. ``order`` is non-empty, so the class has inputs waiting.)
                 start = max(order[0][0], c.clock - c.tokens / c.items) if order else c.clock
-                f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, e)
+                f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, deque((e,)))
                 key = f.order_key = (start, start + e.n_tokens, f.seq, f)
                 if not order or order[-1] < key:
                     order.append(key)  # the usual place: one-input flows join in arrival order

@@ -194,11 +194,23 @@ def unpack_submit(
                             f"{data.nbytes} bytes")
     values = data.tolist()
     out: list[list[list[int]] | ProtocolError] = []
+    models = len(infos)
     at = 0
     for job, size in zip(msg.jobs, sizes, strict=True):
         end = at + size
+        # The common query, checked here without a call: one plain sequence of pooled output, its
+        # length then its ids, each id in the vocabulary. Anything else, or anything wrong, takes
+        # _unpack (which says what is wrong).
+        if job.n == 1 and not job.marked and not job.tokens and 0 <= job.model < models and size > 1 \
+                and size <= _NUMPY_FROM:
+            info = infos[job.model]
+            flat = values[at + 1 : end]
+            if values[at] == size - 1 <= info.max_tokens and min(flat) >= 0 and max(flat) < info.vocab_size:
+                out.append([flat])
+                at = end
+                continue
         try:
-            if not 0 <= job.model < len(infos):
+            if not 0 <= job.model < models:
                 raise ProtocolError(f"job {job.id}: no model {job.model}")
             out.append(_unpack(job, values, data, at, end, infos[job.model]))
         except ProtocolError as exc:

@@ -196,17 +196,20 @@ class GatewayLink:
             if isinstance(seqs, wire.ProtocolError):
                 self._malformed(job.id, seqs)
                 continue
-            try:
-                link = _link(job.trace)
-            except wire.ProtocolError as exc:  # a span context of the wrong size
-                self._malformed(job.id, exc)
-                continue
+            link = None
+            if job.trace:  # (tracing on and the request sampled: a call only then)
+                try:
+                    link = _link(job.trace)
+                except wire.ProtocolError as exc:  # a span context of the wrong size
+                    self._malformed(job.id, exc)
+                    continue
             request = Submission(seqs, job.id, job.tenant, job.weight, job.priority, job.deadline,
                                  _TOKENS if job.tokens else _POOLED, job.arrived or None, link)
-            if job.model in by_model:
-                by_model[job.model].append(request)
-            else:
+            requests = by_model.get(job.model)
+            if requests is None:
                 by_model[job.model] = [request]
+            else:
+                requests.append(request)
         turn = self._turn
         for index, requests in by_model.items():
             turn.add(index, requests, self)

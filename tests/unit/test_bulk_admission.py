@@ -226,3 +226,57 @@ async def test_an_input_shared_within_a_message_waits_for_the_later_deadline_and
     finally:
         runner.gate.set()
         await rig.aclose()
+
+
+async def test_one_input_requests_take_a_shortcut_to_the_outcome_of_the_general_path() -> None:
+    # enqueue_many joins a request of one pooled input in one call (Batcher._join_one) rather than
+    # sorting its inputs into cached, shared and fresh ones first (_sort, then _join). The same three
+    # messages through both, the second and third meeting the first's cached rows and each other's
+    # inputs in flight at every class: the same tickets, answers, counters, and work in flight.
+    runner = FakeRunner()
+    rng = random.Random(11)
+    words = ["alpha", "beta gamma", "delta", "eps zeta eta", "theta"]
+    soon = time.monotonic() + 30.0
+    seqs = {w: [runner.with_special_tokens(runner.tokenize([w])[0])] for w in words}
+    messages = [[Submission(seqs[rng.choice(words)], f"m{m}r{j}", tenant=rng.choice(["default", "a"]),
+                            priority=rng.randint(0, 2), deadline=rng.choice([None, soon, soon + 1.0]))
+                 for j in range(10)] for m in range(3)]
+    Outcome = tuple[list[list[str]], dict[object, object], dict[str, float], list[object]]
+
+    async def run(general: bool) -> Outcome:
+        rig = Rig(FakeRunner(), ResultCache(1 << 20))
+        batcher = rig.batcher
+        if general:
+            def join(r: Submission, arrived: float, reply: object, counts: list[int]) -> object:
+                return batcher._join(r, arrived, reply, *batcher._sort(r), counts)  # type: ignore[arg-type]
+            batcher._join_one = join  # type: ignore[method-assign,assignment]
+        try:
+            answers = Answers()
+            outcomes, inflight = [], []
+            for i, message in enumerate(messages):
+                out = batcher.enqueue_many(message, answers)
+                outcomes.append(_outcomes(out))
+                inflight.append(sorted(
+                    (key, sorted(str(job.tag) for job, _ in work.waiters), work.priority, work.deadline,
+                     None if (e := work.entry) is None else (e.n_tokens, e.tenant, e.priority, e.deadline))
+                    for key, work in batcher._inflight.items()))
+                answers.expect = sum(len(o) for o in outcomes)
+                if i < 2:  # the first two answered (and cached) before the next; the third in flight at once
+                    await asyncio.wait_for(answers.all_in.wait(), 10)
+                    answers.all_in.clear()
+            await asyncio.wait_for(answers.all_in.wait(), 10)
+            rows = {tag: (o.rows.copy() if isinstance(o, RequestResult) else type(o).__name__)
+                    for tag, o in answers.got.items()}
+            counters = {name: rig.sample(name) for name in (
+                "coalesce_cache_hits_total", "coalesce_cache_misses_total", "coalesce_inputs_total",
+                "coalesce_deduplicated_inputs_total")}
+            return outcomes, rows, counters, inflight
+        finally:
+            await rig.aclose()
+
+    short, general = await run(False), await run(True)
+    assert short[0] == general[0] and short[3] == general[3] and short[2] == general[2]
+    assert short[2]["coalesce_cache_hits_total"] > 0 and short[2]["coalesce_deduplicated_inputs_total"] > 0
+    assert short[1].keys() == general[1].keys()
+    for tag, rows in general[1].items():
+        assert np.array_equal(short[1][tag], rows) if isinstance(rows, np.ndarray) else short[1][tag] == rows

@@ -29,6 +29,9 @@ def test_sequences_and_their_marks_round_trip() -> None:
     marked, frame = wire.pack_job(plain)
     assert not marked
     assert unpack_job(_job(2, marked), frame) == plain
+    longest = [list(range(16))]  # as long as the model takes, ids 0 and 99 at the vocabulary's ends
+    assert unpack_job(_job(1, False), wire.pack_job(longest)[1]) == longest
+    assert unpack_job(_job(1, False), wire.pack_job([[0, 99]])[1]) == [[0, 99]]
 
     mixed = [PairIds([1, 5, 2, 6, 2], 3), PromptIds([1, 9, 9, 4, 2], 3), [1, 8, 2],
              WindowIds([1, 7, 7, 2], 1)]
@@ -73,6 +76,7 @@ def test_sizes_that_do_not_account_for_the_frame_are_refused(sizes: list[int], n
     [
         (np.array([3, 1, 2], dtype=np.int32), 1, "lengths do not match"),
         (np.array([2, 1, 200], dtype=np.int32), 1, "outside the model's vocabulary"),
+        (np.array([2, -3, 1], dtype=np.int32), 1, "outside the model's vocabulary"),
         (np.array([17, *range(17)], dtype=np.int32), 1, "lengths do not match"),  # longer than the model
         (np.array([0], dtype=np.int32), 1, "lengths do not match"),
         (np.array([], dtype=np.int32), 1, "sequences in a frame"),
