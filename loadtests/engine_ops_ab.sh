@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The engine's own path (`python -m coalesce.loadtests.engine_ops`), this checkout's code beside an
+# earlier commit's, alternated in one run on this machine (current, baseline, current, ...), so that a
+# change to the per-request path is read as ratios within one run on a noisy VM:
+#
+#     bash loadtests/engine_ops_ab.sh REV [ROUNDS] [engine_ops flags ...]
+#
+# REV is built into a wheel (`coalesce.loadtests.gpu.bundle baseline`, a temporary worktree) and
+# installed into a directory of its own, which goes first on PYTHONPATH for the baseline's runs (the
+# same way kernels/gpu_ab.sh serves a baseline on the GPU machine). ROUNDS (default 3) pairs; the
+# flags default to the service's case behind many gateways: `--jobs 1 --gateways 48 --rounds 400
+# --cache-mb 64 --shared-metrics`. Prints one line per run: round, which code, engine_ops' row.
+set -euo pipefail
+rev=${1:?usage: bash loadtests/engine_ops_ab.sh REV [ROUNDS] [engine_ops flags ...]}
+rounds=${2:-3}
+shift $(( $# < 2 ? $# : 2 ))
+flags=("$@")
+[ ${#flags[@]} -gt 0 ] || flags=(--jobs 1 --gateways 48 --rounds 400 --cache-mb 64 --shared-metrics)
+py=${PYTHON:-.venv/bin/python}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$py" -m coalesce.loadtests.gpu.bundle baseline "$work" "$rev" > /dev/null
+"$py" -m pip install -q --no-deps --no-compile --target "$work/site" "$work"/base/coalesce-*.whl
+run() {  # $1: current or baseline
+    local env=()
+    [ "$1" = current ] || env=(env "PYTHONPATH=$work/site${PYTHONPATH:+:$PYTHONPATH}")
+    "${env[@]}" "$py" -m coalesce.loadtests.engine_ops "${flags[@]}" 2>&1 | awk '/requests\/message/ {getline; print; exit}'
+}
+echo "round code     $(HF_HUB_OFFLINE=1 "$py" -m coalesce.loadtests.engine_ops --help > /dev/null && echo 'requests/message batches/message inputs/batch threaded_us/request inline_us/request hand-off_us/batch')"
+for r in $(seq "$rounds"); do
+    for code in current baseline; do
+        printf '%-5s %-8s %s\n' "$r" "$code" "$(HF_HUB_OFFLINE=1 run "$code")"
+    done
+done
