@@ -542,7 +542,7 @@ class Batcher:
                   ) -> tuple[Ticket, list[Entry]]:
         """:meth:`_sort` then :meth:`_join` for an admitted request of one input of pooled output (the
         common query), in one call with no lists or dicts between them: the same ticket, entries and
-        counts (``tests/unit/test_batcher.py`` holds the two paths to one outcome)."""
+        counts (``tests/unit/test_bulk_admission.py`` holds the two paths to one outcome)."""
         ids = r.seqs[0]
         key = _PLAIN_HEADS[OutputKind.POOLED] + array("i", ids).tobytes() if type(ids) is list \
             else input_key(ids)
