@@ -231,8 +231,9 @@ async def test_an_input_shared_within_a_message_waits_for_the_later_deadline_and
 async def test_one_input_requests_take_a_shortcut_to_the_outcome_of_the_general_path() -> None:
     # enqueue_many joins a request of one pooled input in one call (Batcher._join_one) rather than
     # sorting its inputs into cached, shared and fresh ones first (_sort, then _join). The same three
-    # messages through both, the second and third meeting the first's cached rows and each other's
-    # inputs in flight at every class: the same tickets, answers, counters, and work in flight.
+    # messages through both, one after the other, each meeting the rows the ones before it cached and
+    # its own repeated inputs in flight at every class: the same tickets, answers, counters, and work in
+    # flight.
     runner = FakeRunner()
     rng = random.Random(11)
     words = ["alpha", "beta gamma", "delta", "eps zeta eta", "theta"]
@@ -253,18 +254,18 @@ async def test_one_input_requests_take_a_shortcut_to_the_outcome_of_the_general_
         try:
             answers = Answers()
             outcomes, inflight = [], []
-            for i, message in enumerate(messages):
+            for message in messages:
+                # Every request of the message answered (its rows cached) before the next one comes: set
+                # before enqueueing, since cached rows are answered during the call.
+                answers.expect += len(message)
+                answers.all_in.clear()
                 out = batcher.enqueue_many(message, answers)
                 outcomes.append(_outcomes(out))
                 inflight.append(sorted(
                     (key, sorted(str(job.tag) for job, _ in work.waiters), work.priority, work.deadline,
                      None if (e := work.entry) is None else (e.n_tokens, e.tenant, e.priority, e.deadline))
                     for key, work in batcher._inflight.items()))
-                answers.expect = sum(len(o) for o in outcomes)
-                if i < 2:  # the first two answered (and cached) before the next; the third in flight at once
-                    await asyncio.wait_for(answers.all_in.wait(), 10)
-                    answers.all_in.clear()
-            await asyncio.wait_for(answers.all_in.wait(), 10)
+                await asyncio.wait_for(answers.all_in.wait(), 10)
             rows = {tag: (o.rows.copy() if isinstance(o, RequestResult) else type(o).__name__)
                     for tag, o in answers.got.items()}
             counters = {name: rig.sample(name) for name in (
