@@ -26,7 +26,7 @@ run() {  # $1: current or baseline
     [ "$1" = current ] || env=(env "PYTHONPATH=$work/site${PYTHONPATH:+:$PYTHONPATH}")
     "${env[@]}" "$py" -m coalesce.loadtests.engine_ops "${flags[@]}" 2>&1 | awk '/requests\/message/ {getline; print; exit}'
 }
-echo "round code     $(HF_HUB_OFFLINE=1 "$py" -m coalesce.loadtests.engine_ops --help > /dev/null && echo 'requests/message batches/message inputs/batch threaded_us/request inline_us/request hand-off_us/batch')"
+echo "round code     requests/message batches/message inputs/batch threaded_us/request inline_us/request hand-off_us/batch"
 for r in $(seq "$rounds"); do
     for code in current baseline; do
         printf '%-5s %-8s %s\n' "$r" "$code" "$(HF_HUB_OFFLINE=1 run "$code")"

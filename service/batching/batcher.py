@@ -452,7 +452,7 @@ class Batcher:
         counts = [0, 0, 0]
         by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
         for r, f in zip(requests, replies, strict=True):
-            arrived = now if r.arrived is None or r.arrived > now else r.arrived  # (_arrival, inline)
+            arrived = _arrival(r, now)
             if len(r.seqs) == 1 and r.kind is OutputKind.POOLED:
                 job, entries = self._join_one(r, arrived, f, counts)
             else:
@@ -518,22 +518,9 @@ class Batcher:
             counts[1] += len(seqs) - len(hits)
         counts[2] += len(seqs) - len(fresh) - len(hits)
         for i, key in shared:
-            work = inflight[key]
-            work.waiters.append((job, i))
-            if deadline is None or (work.deadline is not None and deadline > work.deadline):
-                work.deadline = deadline
-                if work.entry is not None:
-                    self.scheduler.extend_deadline(work.entry, deadline)
-        entries = []
-        tenant, weight, priority = r.tenant, r.weight, r.priority
-        for key, positions in fresh.items():
-            first = positions[0]
-            work = _Work(seqs[first], key, [(job, first)], deadline, priority)
-            if len(positions) > 1:
-                work.waiters += [(job, p) for p in positions[1:]]
-            inflight[key] = work
-            work.entry = Entry(len(work.ids), arrived, tenant, weight, priority, deadline, work, job, kind)
-            entries.append(work.entry)
+            self._share(inflight[key], job, i, deadline)
+        entries = [self._new_work(r, seqs[positions[0]], key, [(job, p) for p in positions], arrived, job)
+                   for key, positions in fresh.items()]
         for i, block in hits:
             job.put(i, block, 0.0, 0.0)
         return job, entries
@@ -544,8 +531,7 @@ class Batcher:
         common query), in one call with no lists or dicts between them: the same ticket, entries and
         counts (``tests/unit/test_bulk_admission.py`` holds the two paths to one outcome)."""
         ids = r.seqs[0]
-        key = _PLAIN_HEADS[OutputKind.POOLED] + array("i", ids).tobytes() if type(ids) is list \
-            else input_key(ids)
+        key = input_key(ids)
         job = Ticket(reply, r.tag, 1, 1, 1, link=r.link)
         cache = self._cache
         if cache is not None:
@@ -555,20 +541,29 @@ class Batcher:
                 job.put(0, block, 0.0, 0.0)
                 return job, []
             counts[1] += 1
-        deadline = r.deadline
         work = self._inflight.get(key)
-        if work is not None and r.priority >= work.priority:  # not more urgent than the work it joins
+        if work is not None and r.priority >= work.priority:  # (as _sort decides)
             counts[2] += 1
-            work.waiters.append((job, 0))
-            if deadline is None or (work.deadline is not None and deadline > work.deadline):
-                work.deadline = deadline
-                if work.entry is not None:
-                    self.scheduler.extend_deadline(work.entry, deadline)
+            self._share(work, job, 0, r.deadline)
             return job, []
-        work = self._inflight[key] = _Work(ids, key, [(job, 0)], deadline, r.priority)
-        entry = work.entry = Entry(len(ids), arrived, r.tenant, r.weight, r.priority, deadline, work, job,
-                                   OutputKind.POOLED)
-        return job, [entry]
+        return job, [self._new_work(r, ids, key, [(job, 0)], arrived, job)]
+
+    def _share(self, work: _Work, job: Ticket, index: int, deadline: float | None) -> None:
+        """Input ``index`` of ``job`` waits for ``work`` (queued or running), which now runs until the
+        later of the two deadlines."""
+        work.waiters.append((job, index))
+        if deadline is None or (work.deadline is not None and deadline > work.deadline):
+            work.deadline = deadline
+            if work.entry is not None:
+                self.scheduler.extend_deadline(work.entry, deadline)
+
+    def _new_work(self, r: Submission, ids: Sequence[int], key: bytes, waiters: list[tuple[Ticket, int]],
+                  arrived: float, job: Ticket) -> Entry:
+        """New work for input ``ids`` of request ``r`` (in flight from now), and its entry to queue."""
+        work = self._inflight[key] = _Work(ids, key, waiters, r.deadline, r.priority)
+        entry = work.entry = Entry(len(ids), arrived, r.tenant, r.weight, r.priority, r.deadline, work, job,
+                                   r.kind)
+        return entry
 
     def _count(self, counts: list[int]) -> None:
         hits, misses, deduplicated = counts

@@ -194,23 +194,11 @@ def unpack_submit(
                             f"{data.nbytes} bytes")
     values = data.tolist()
     out: list[list[list[int]] | ProtocolError] = []
-    models = len(infos)
     at = 0
     for job, size in zip(msg.jobs, sizes, strict=True):
         end = at + size
-        # The common query, checked here without a call: one plain sequence of pooled output, its
-        # length then its ids, each id in the vocabulary. Anything else, or anything wrong, takes
-        # _unpack (which says what is wrong).
-        if job.n == 1 and not job.marked and not job.tokens and 0 <= job.model < models and size > 1 \
-                and size <= _NUMPY_FROM:
-            info = infos[job.model]
-            flat = values[at + 1 : end]
-            if values[at] == size - 1 <= info.max_tokens and min(flat) >= 0 and max(flat) < info.vocab_size:
-                out.append([flat])
-                at = end
-                continue
         try:
-            if not 0 <= job.model < models:
+            if not 0 <= job.model < len(infos):
                 raise ProtocolError(f"job {job.id}: no model {job.model}")
             out.append(_unpack(job, values, data, at, end, infos[job.model]))
         except ProtocolError as exc:
@@ -223,6 +211,12 @@ def _unpack(job: Job, values: list[int], data: np.ndarray, at: int, end: int,
             info: ModelInfo) -> list[list[int]]:
     """``job``'s sequences from ``values[at:end]`` (``data`` holds the same ids as numpy)."""
     n = job.n
+    if n == 1 and not job.marked and not job.tokens and 1 < end - at <= _NUMPY_FROM:
+        # The common query, first and in few steps: one plain sequence of pooled output, its length then
+        # its ids. Anything that fails here takes the checks below, which say what is wrong.
+        flat = values[at + 1 : end]
+        if values[at] == end - at - 1 <= info.max_tokens and min(flat) >= 0 and max(flat) < info.vocab_size:
+            return [flat]
     head = n * (4 if job.marked else 1)
     if n < 1 or end - at < head:
         raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {end - at} ids")
