@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import add, mul, sub
 
 # The pace: the median of this many batches' measured ÷ fitted seconds, within these bounds (a broken
 # measurement must neither stop admission nor open it wide). It starts once the fit has this many
@@ -130,13 +132,14 @@ class CostModel:
         if fit is None:
             return
         a, b = fit
-        residuals = [abs(yi - (a + b * xi)) for xi, yi in zip(x, y, strict=True)]
+        # |y − (a + b·x)| of each point (as least_squares: operator's functions, no bytecode per point)
+        residuals = list(map(abs, map(sub, y, map(add, repeat(a), map(mul, repeat(b), x)))))
         mad = sorted(residuals)[len(residuals) // 2]
         if mad > 0:
-            bound = 4 * mad + 1e-6
-            kept = [i for i, r in enumerate(residuals) if r <= bound]
-            if len(kept) >= 2:
-                a, b = least_squares([x[i] for i in kept], [y[i] for i in kept]) or (a, b)
+            keep = list(map((4 * mad + 1e-6).__ge__, residuals))  # within four MADs
+            kept_x = list(compress(x, keep))
+            if len(kept_x) >= 2:
+                a, b = least_squares(kept_x, list(compress(y, keep))) or (a, b)
         # Time never shrinks with more tokens and a forward never costs less than nothing.
         self.fit = Coefficients(max(a, 0.0), max(b, 1e-9))
 
@@ -145,10 +148,12 @@ def least_squares(x: list[float], y: list[float]) -> tuple[float, float] | None:
     """(a, b) minimising Σ(a + b·x − y)², with exactly rounded sums (see the module docstring)."""
     n = len(x)
     mx, my = math.fsum(x) / n, math.fsum(y) / n
-    dx = [xi - mx for xi in x]
-    sxx = math.fsum([d * d for d in dx])
+    # (map over operator's functions: the same correctly rounded operations, in the same order, as
+    # comprehensions would do, with no bytecode per point: a refit runs every few batches)
+    dx = list(map(sub, x, repeat(mx)))
+    sxx = math.fsum(map(mul, dx, dx))
     if sxx <= 1e-12 * max(1.0, mx * mx):
         # Every batch had the same size: attribute the time to tokens.
         return (0.0, my / mx) if mx > 0 else None
-    b = math.fsum([d * (yi - my) for d, yi in zip(dx, y, strict=True)]) / sxx
+    b = math.fsum(map(mul, dx, map(sub, y, repeat(my)))) / sxx
     return my - b * mx, b

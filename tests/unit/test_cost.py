@@ -119,3 +119,25 @@ def test_a_few_slow_batches_hardly_move_the_predictions() -> None:
         if i > 150:
             assert model.predict(1000) == pytest.approx(0.013, rel=0.25), i
     assert model.restarts == 0
+
+
+def test_least_squares_is_the_closed_form_with_exactly_rounded_sums_to_the_last_bit() -> None:
+    # Written out as the module's docstring states it: sums about the means, every sum math.fsum, every
+    # product one IEEE multiplication. However the function is written, it must agree bit for bit.
+    import math
+
+    from coalesce.service.batching.cost import least_squares
+
+    rng = random.Random(11)
+    for _ in range(200):
+        n = rng.randint(2, 128)
+        x = [float(rng.choice([16, 48, 64, 300, 4096]) * rng.randint(1, 64)) for _ in range(n)]
+        y = [0.003 + 2e-6 * xi * rng.uniform(0.5, 1.5) for xi in x]
+        mx, my = math.fsum(x) / n, math.fsum(y) / n
+        dx = [xi - mx for xi in x]
+        sxx = math.fsum([d * d for d in dx])
+        if sxx <= 1e-12 * max(1.0, mx * mx):
+            assert least_squares(x, y) == (0.0, my / mx)
+            continue
+        b = math.fsum([d * (yi - my) for d, yi in zip(dx, y, strict=True)]) / sxx
+        assert least_squares(x, y) == (my - b * mx, b)
