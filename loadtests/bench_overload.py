@@ -136,7 +136,12 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         ["mixed burst at idle: refusals", "0", str(sum(v for k, v in idle["coalesce"].items() if k != "200")),
          _met(set(idle["coalesce"]) == {"200"})],
     ]
+    tail_rows = []
     for load, st, cpu in steps:
+        t = st.tail
+        tail_rows.append([f"{load:g}×", *(["-"] * 6 if t is None else [
+            str(t.count), fmt(t.latency_ms), fmt(t.queue_ms), fmt(t.forward_ms), fmt(st.header_inference_ms),
+            fmt(t.outside_ms)])])
         refused = st.requests - st.ok
         per_refusal = ((cpu - st.ok * cpu_ok) / refused * 1e6) if cpu_ok and refused else None
         p99 = st.latency.p99_ms if st.latency else None
@@ -174,6 +179,12 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         + markdown_table(["load", "offered/s", "goodput/s", "÷ capacity", "p50 ms", "p99 ms", "refused",
                           "late (of the server's refusals)", "answers", "event-loop CPU s/s",
                           "event-loop CPU µs per refusal", "generator lag p99 ms"], step_rows)
+        + "\n\nThe slowest admitted requests taken apart (those at or past each step's p99, means): their "
+        "wait for a batch and their batch's forward as the server's `x-queue-time` and `x-inference-time` "
+        "say, beside the mean forward of every admitted request, and the rest of their latency (outside: "
+        "the send, the time before the server stamped the head, tokenising, the answer's way back):\n\n"
+        + markdown_table(["load", "requests", "latency ms", "queue ms", "forward ms",
+                          "forward ms, all admitted", "outside ms"], tail_rows)
         + "\n"
     )
 

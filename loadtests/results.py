@@ -51,6 +51,20 @@ class BatchStats(msgspec.Struct):
     server_rejected: dict[str, int] = {}  # coalesce_rejected_total by reason
 
 
+class Tail(msgspec.Struct):
+    """Where the slowest admitted requests spent their time: the successful requests at or past the
+    latency p99 (from their scheduled send), as means. ``queue_ms`` and ``forward_ms`` are what the
+    server's headers say (``x-queue-time``, ``x-inference-time``); ``outside_ms`` is the rest of each
+    one's latency: the generator's send, the time before the server stamped its head, tokenising, and
+    the response's way back (an event loop busy with other requests shows here)."""
+
+    count: int
+    latency_ms: float
+    queue_ms: float
+    forward_ms: float
+    outside_ms: float
+
+
 class Cost(msgspec.Struct):
     """Cost of the measured throughput at a price per replica-hour."""
 
@@ -95,6 +109,7 @@ class StepResult(msgspec.Struct):
     timeline: Timeline | None = None
     note: str = ""
     refusals_without_retry_after: int = 0  # 429s and 503s that did not say when to retry
+    tail: Tail | None = None  # the slowest 1% of the good responses, taken apart (servers that send timings)
 
 
 class GeneratorStats(msgspec.Struct):

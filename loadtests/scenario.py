@@ -9,7 +9,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -22,7 +22,7 @@ from coalesce.loadtests import engine, promtext, schedule
 from coalesce.loadtests.planner import holds, sustained_step
 from coalesce.loadtests.progress import Progress
 from coalesce.loadtests.rawclient import RawClient
-from coalesce.loadtests.results import BatchStats, GeneratorStats, RunResult, StepResult
+from coalesce.loadtests.results import BatchStats, GeneratorStats, RunResult, StepResult, Tail
 from coalesce.loadtests.stats import cost, summarize, timeline
 from coalesce.loadtests.workload import (
     Mix,
@@ -151,6 +151,8 @@ def summarize_step(
         vals = [values[i] for i in ok_idx if not math.isnan(values[i])]
         return sum(vals) / len(vals) if vals else None
 
+    latency = summarize(rec.done[i] - rec.sched[i] for i in ok_idx)
+
     return StepResult(
         label=label,
         mode=mode,
@@ -164,7 +166,7 @@ def summarize_step(
         achieved_rps=achieved,
         achieved_inputs_per_s=achieved_inputs,
         mean_inputs_per_request=sum(rec.n_inputs[i] for i in idx) / len(idx) if idx else 0.0,
-        latency=summarize(rec.done[i] - rec.sched[i] for i in ok_idx),
+        latency=latency,
         send_lag=summarize(max(0.0, rec.started[i] - rec.sched[i]) for i in idx)
         if offered_rps is not None
         else None,
@@ -173,6 +175,7 @@ def summarize_step(
         batch=batch,
         cost=cost(cost_per_hour, achieved, achieved_inputs) if cost_per_hour is not None else None,
         refusals_without_retry_after=bare_refusals,
+        tail=tail(rec, ok_idx, latency.p99_ms) if latency is not None else None,
         timeline=timeline(
             [rec.sched[i] for i in idx],
             [rec.done[i] - rec.sched[i] for i in idx],
@@ -181,6 +184,22 @@ def summarize_step(
             end - start,
         ),
     )
+
+
+def tail(rec: engine.Recorder, ok_idx: Sequence[int], p99_ms: float) -> Tail | None:
+    """:class:`Tail` of the good responses ``ok_idx`` whose latency is at least ``p99_ms``, among those
+    that carried the server's timings (None if none did)."""
+    rows = []
+    for i in ok_idx:
+        latency_ms = (rec.done[i] - rec.sched[i]) * 1e3
+        queue_ms, forward_ms = rec.queue_ms[i], rec.infer_ms[i]
+        if latency_ms >= p99_ms and not (math.isnan(queue_ms) or math.isnan(forward_ms)):
+            rows.append((latency_ms, queue_ms, forward_ms))
+    if not rows:
+        return None
+    n = len(rows)
+    latency_ms, queue_ms, forward_ms = (sum(column) / n for column in zip(*rows, strict=True))
+    return Tail(n, latency_ms, queue_ms, forward_ms, latency_ms - queue_ms - forward_ms)
 
 
 class Runner:

@@ -137,6 +137,30 @@ def test_refusals_without_retry_after_are_counted() -> None:
     assert step.refusals_without_retry_after == 2
 
 
+def test_the_slowest_percent_is_taken_apart_into_queue_forward_and_the_rest() -> None:
+    # 300 good answers: 297 fast ones (10 ms: 2 queued, 3 forward), 3 slow ones whose wait for a batch is
+    # most of their latency (600 ms: 400 queued, 150 forward, so 50 ms outside the server's timings),
+    # and refusals, which a tail of admitted requests never counts.
+    rec = Recorder()
+    for i in range(300):
+        t = i / 300
+        slow = i in (10, 150, 290)
+        rec.add(t, t, t + (0.6 if slow else 0.01), 200, 1, 400.0 if slow else 2.0, 150.0 if slow else 3.0)
+        rec.add(t, t, t + 2.0, 429, 1, math.nan, math.nan, True)
+    step = summarize_step(rec, label="x", mode="open", window=(0.0, 1.0), offered_rps=600.0,
+                          concurrency=None)
+    tail = step.tail
+    assert tail is not None and tail.count == 3
+    assert tail.latency_ms == pytest.approx(600.0)
+    assert (tail.queue_ms, tail.forward_ms) == (pytest.approx(400.0), pytest.approx(150.0))
+    assert tail.outside_ms == pytest.approx(50.0)
+    # A server that sends no timings (a peer) has no tail to take apart.
+    bare = Recorder()
+    bare.add(0.0, 0.0, 0.01, 200, 1, math.nan, math.nan)
+    assert summarize_step(bare, label="x", mode="open", window=(0.0, 1.0), offered_rps=1.0,
+                          concurrency=None).tail is None
+
+
 async def test_ramp_stops_at_the_first_rate_that_breaks_the_target() -> None:
     result = await _run(
         StubConfig(service_ms=SERVICE_MS, serial=True),
