@@ -165,10 +165,12 @@ def settled_fds(pid: int, at_most: int | None = None, timeout: float = 30.0) -> 
 
 
 def _phase_row(st: StepResult) -> list[str]:
-    lat = st.latency
+    lat, tail = st.latency, st.tail
     refused = ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-"
     return [st.label, fmt(st.offered_rps), fmt(st.achieved_rps), fmt(lat.p50_ms if lat else None),
-            fmt(lat.p99_ms if lat else None), f"{st.ok:,} / {st.requests:,}", refused]
+            fmt(lat.p99_ms if lat else None), fmt(tail.queue_ms if tail else None),
+            fmt(tail.forward_ms if tail else None), fmt(st.header_inference_ms),
+            f"{st.ok:,} / {st.requests:,}", refused]
 
 
 def capacity_probe() -> Scenario:
@@ -237,7 +239,8 @@ def soak(args: argparse.Namespace) -> tuple[str, str]:
         "\n\n"
         + markdown_table(["figure", "target", "measured", ""], checks)
         + "\n\n"
-        + markdown_table(["phase", "offered/s", "achieved/s", "p50 ms", "p99 ms", "admitted", "refused"],
+        + markdown_table(["phase", "offered/s", "achieved/s", "p50 ms", "p99 ms", "slowest 1%: queue ms",
+                          "slowest 1%: forward ms", "forward ms, all admitted", "admitted", "refused"],
                          [_phase_row(st) for st in steps])
         + "\n"
     )
