@@ -478,35 +478,47 @@ class Batcher:
         except CoalesceError as err:
             return err
 
-    def _sort(self, r: Submission) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, bytes]],
+    def _found(self, key: bytes, priority: int) -> np.ndarray | _Work | None:
+        """Where an input's rows come from if not from new work: the cache's rows, or the work queued or
+        running for the same input, which a request of ``priority`` joins when it is not more urgent
+        than that work (a more urgent one must not wait behind it); None: new work."""
+        if self._cache is not None:
+            block = self._cache.get(self.model, key)
+            if block is not None:
+                return block
+        work = self._inflight.get(key)
+        return work if work is not None and priority >= work.priority else None
+
+    def _sort(self, r: Submission) -> tuple[list[tuple[int, np.ndarray]], list[tuple[int, _Work]],
                                             dict[bytes, list[int]]]:
-        """A request's inputs by where their rows come from: the cache (position, rows), work already
-        queued or running (position, its key), or new work (key → positions: identical inputs of one
-        request are computed once)."""
-        cache, inflight, kind, priority = self._cache, self._inflight, r.kind, r.priority
+        """A request's inputs by where their rows come from (:meth:`_found`): the cache (position, rows),
+        work already queued or running (position, that work), or new work (key → positions: identical
+        inputs of one request are computed once)."""
+        kind, priority = r.kind, r.priority
         hits: list[tuple[int, np.ndarray]] = []
-        shared: list[tuple[int, bytes]] = []
+        shared: list[tuple[int, _Work]] = []
         fresh: dict[bytes, list[int]] = {}
         for i, ids in enumerate(r.seqs):
             key = input_key(ids, kind)
-            block = cache.get(self.model, key) if cache is not None else None
-            if block is not None:
-                hits.append((i, block))
-            elif key in fresh:
+            if key in fresh:  # a repeat of an input of this request that needed new work: so does this one
                 fresh[key].append(i)
-            elif (work := inflight.get(key)) is not None and priority >= work.priority:
-                shared.append((i, key))  # not more urgent than the work it joins
-            else:
+                continue
+            found = self._found(key, priority)
+            if found is None:
                 fresh[key] = [i]
+            elif isinstance(found, _Work):
+                shared.append((i, found))
+            else:
+                hits.append((i, found))
         return hits, shared, fresh
 
     def _join(self, r: Submission, arrived: float, reply: Reply, hits: list[tuple[int, np.ndarray]],
-              shared: list[tuple[int, bytes]], fresh: dict[bytes, list[int]], counts: list[int]
+              shared: list[tuple[int, _Work]], fresh: dict[bytes, list[int]], counts: list[int]
               ) -> tuple[Ticket, list[Entry]]:
         """An admitted request's ticket, and the entries of its new work (for the scheduler to queue):
         it waits for the work it shares, its cached rows are put at once. ``counts`` (cache hits,
         misses, deduplicated inputs) are added to."""
-        seqs, deadline, kind, inflight = r.seqs, r.deadline, r.kind, self._inflight
+        seqs, deadline, kind = r.seqs, r.deadline, r.kind
         if kind is OutputKind.TOKENS:
             ends = np.cumsum([len(ids) for ids in seqs]).tolist()
             job = Ticket(reply, r.tag, len(seqs), len(seqs), ends[-1], starts=[0, *ends[:-1]], link=r.link)
@@ -517,8 +529,8 @@ class Batcher:
             counts[0] += len(hits)
             counts[1] += len(seqs) - len(hits)
         counts[2] += len(seqs) - len(fresh) - len(hits)
-        for i, key in shared:
-            self._share(inflight[key], job, i, deadline)
+        for i, work in shared:
+            self._share(work, job, i, deadline)
         entries = [self._new_work(r, seqs[positions[0]], key, [(job, p) for p in positions], arrived, job)
                    for key, positions in fresh.items()]
         for i, block in hits:
@@ -533,20 +545,18 @@ class Batcher:
         ids = r.seqs[0]
         key = input_key(ids)
         job = Ticket(reply, r.tag, 1, 1, 1, link=r.link)
-        cache = self._cache
-        if cache is not None:
-            block = cache.get(self.model, key)
-            if block is not None:
-                counts[0] += 1
-                job.put(0, block, 0.0, 0.0)
-                return job, []
-            counts[1] += 1
-        work = self._inflight.get(key)
-        if work is not None and r.priority >= work.priority:  # (as _sort decides)
+        found = self._found(key, r.priority)
+        if found is None or isinstance(found, _Work):
+            if self._cache is not None:
+                counts[1] += 1  # a cache miss
+            if found is None:
+                return job, [self._new_work(r, ids, key, [(job, 0)], arrived, job)]
             counts[2] += 1
-            self._share(work, job, 0, r.deadline)
+            self._share(found, job, 0, r.deadline)
             return job, []
-        return job, [self._new_work(r, ids, key, [(job, 0)], arrived, job)]
+        counts[0] += 1
+        job.put(0, found, 0.0, 0.0)
+        return job, []
 
     def _share(self, work: _Work, job: Ticket, index: int, deadline: float | None) -> None:
         """Input ``index`` of ``job`` waits for ``work`` (queued or running), which now runs until the
