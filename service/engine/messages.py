@@ -211,20 +211,18 @@ def _unpack(job: Job, values: list[int], data: np.ndarray, at: int, end: int,
             info: ModelInfo) -> list[list[int]]:
     """``job``'s sequences from ``values[at:end]`` (``data`` holds the same ids as numpy)."""
     n = job.n
-    if n == 1 and not job.marked and not job.tokens and 1 < end - at <= _NUMPY_FROM:
-        # The common query, first and in few steps: one plain sequence of pooled output, its length then
-        # its ids. Anything that fails here takes the checks below, which say what is wrong.
-        flat = values[at + 1 : end]
-        if values[at] == end - at - 1 <= info.max_tokens and min(flat) >= 0 and max(flat) < info.vocab_size:
-            return [flat]
-    head = n * (4 if job.marked else 1)
+    head = n * 4 if job.marked else n
     if n < 1 or end - at < head:
         raise ProtocolError(f"job {job.id}: {n} sequences in a frame of {end - at} ids")
     if job.tokens and not info.token_embeddings:
         raise ProtocolError(f"job {job.id}: model {job.model} returns no token embeddings")
     start = at + head
     lengths = values[at : at + n]
-    if min(lengths) < 1 or max(lengths) > info.max_tokens or sum(lengths) != end - start:
+    if n == 1:  # (the common query: one length, compared as a value, not reduced as a list)
+        fits = 0 < lengths[0] == end - start <= info.max_tokens
+    else:
+        fits = min(lengths) >= 1 and max(lengths) <= info.max_tokens and sum(lengths) == end - start
+    if not fits:
         raise ProtocolError(f"job {job.id}: sequence lengths do not match the frame")
     flat = values[start:end]
     ids = data[start:end] if end - start > _NUMPY_FROM else flat
