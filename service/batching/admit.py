@@ -13,7 +13,8 @@ A request is refused at once — before it queues, and where the caller can, bef
   overload while the excess is refused for the price of a check (and what was admitted under that
   promise but can no longer make the whole bound is answered ``late`` when its turn comes:
   :meth:`Admitter.late`); under a confirmed overload, predictions count the time that holds the
-  model besides its forwards (the drain pace, :meth:`Admitter.drained`);
+  model besides its forwards (the drain pace, :meth:`Admitter.drained`), and the batch a request rides
+  in at the slow end of recent forwards (the cost model's spread), since the bound is on the p99;
 * it cannot finish by its deadline (``deadline_unmeetable``).
 
 **Checked but not yet queued.** Between the check before tokenising and admission (the tokeniser's
@@ -205,7 +206,7 @@ class Admitter:
             return True
         if coef.overhead_s < 0 or coef.per_token_s < 0:
             return False  # (predictions would not grow with the batch: no worst case to take)
-        padding, limit = self._padding, self.batch_limit_s  # (shortened by the pace, as admit()'s)
+        padding, limit = self._padding, self.batch_limit_s  # (shortened as admit()'s: the pace, the spread)
         held, held_inputs = self._held_ahead(len(PRIORITIES) - 1, now)
         ahead = queue.tokens + total + held
         mean = queue.tokens / queue.items if queue.items else 16.0  # (wait_s's count of an empty queue)
@@ -224,7 +225,7 @@ class Admitter:
             n = min(cfg.max_batch_size, queue.items + inputs + 1)
             full = self._cost.predict(self._padded_cost(n, math.ceil(high)))
             alone = self._cost.predict(self._padded_cost(1, max(longest, 1)))
-            own = min(full, max(alone, limit)) * self.drain_pace  # batch_s() of any of its inputs, at most
+            own = min(full, max(alone, limit)) * self.drain_pace * self._cost.spread  # batch_s(), at most
             if wait > cfg.burst_wait_s or max(0.0, now - arrived) + wait + own > DOOR * cfg.max_queue_wait_s:
                 return False
         if deadline is not None:
@@ -352,7 +353,7 @@ class Admitter:
         if not self.regime.observe(now):
             return []
         anchor = waiting[0]
-        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens)) * self._pace()
+        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens)) * self._pace() * self._tail()
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
         confirmed = self.regime.confirmed(now)  # an overload: what a burst was admitted is held too
@@ -389,21 +390,24 @@ class Admitter:
     @property
     def batch_limit_s(self) -> float:
         """The longest forward a standing queue runs: one that holds the model (the forward at the drain
-        pace) half the wait bound; the other half is the queue."""
-        return self.config.max_queue_wait_s / 2 / self._pace()
+        pace) half the wait bound, when it runs as slow as forwards run now (at the spread, under a
+        confirmed overload: :meth:`_tail`); the other half is the queue."""
+        return self.config.max_queue_wait_s / 2 / self._pace() / self._tail()
 
     def batch_s(self, first: int) -> float:
         """Predicted seconds of the batch a new input of ``first`` tokens would ride in: under load the
         queue runs in batches as full as the limits allow, of inputs like those waiting — but never
         more than half the wait bound (or its own forward alone, if longer): adaptive batching keeps a
         batch within what its oldest input has left of the target, so on a machine where a full batch
-        takes longer than the bound, batches are smaller, not late."""
+        takes longer than the bound, batches are smaller, not late. Under a confirmed overload, at the
+        slow end of the forwards running now (the cost model's spread, :meth:`_tail`): the door promises
+        a first result by it, and :meth:`late` drops what can no longer make the bound by it."""
         queue = self._queue
         n = min(self.config.max_batch_size, queue.items + 1)
         longest = max(first, queue.tokens // queue.items if queue.items else 0, 1)
         full = self._cost.predict(self._padded_cost(n, longest))
         alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
-        return min(full, max(alone, self.batch_limit_s)) * self._pace()
+        return min(full, max(alone, self.batch_limit_s)) * self._pace() * self._tail()
 
     def drained(self, seconds: float | None, now: float, backlog: bool) -> None:
         """A batch whose forward took ``seconds`` (None: it failed) finished at ``now``; ``backlog``:
@@ -465,6 +469,12 @@ class Admitter:
         pace applied to any standing queue: 2975dd4). A burst's bound is generous and its wait no
         promise; an overload's promise is what the pace keeps."""
         return self.drain_pace if self.regime.overload else 1.0
+
+    def _tail(self) -> float:
+        """What a predicted forward of the batch a request rides in is scaled by: the cost model's
+        spread (:attr:`.cost.CostModel.spread`) under a confirmed overload, else 1 (as :meth:`_pace`, and
+        for its reasons)."""
+        return self._cost.spread if self.regime.overload else 1.0
 
     def _run_s(self, inputs: float, tokens: float) -> float:
         """Seconds to run ``inputs`` waiting inputs of ``tokens`` tokens: padded as recent batches

@@ -23,6 +23,18 @@ batches is off the fit by more than :data:`PACE_SHIFT` the same way, the fit its
 them: a window holding both machines fits neither, and takes a shape (an overhead several times the
 real one) that no single scale corrects.
 
+**The spread.** A mean is all a fit can predict, and on a machine whose cores the forward shares (the
+event loop refusing an overload on two cores, other programs) some forwards run far past it at random: at
+4× load in the bench the slowest 1% of admitted requests rode forwards of 381 ms where the mean was 189.
+Promises made by the mean are then broken by every slow batch, and the admitted p99 passes the target by
+as much. So each refit also measures, over the fit's window, how far the slow forwards run past the
+typical one: the :data:`SPREAD_QUANTILE`-th of measured ÷ fitted seconds over their median
+(:attr:`CostModel.spread`, ≥ 1). It falls by at most a tenth a refit (:data:`SPREAD_HOLD`: a window that
+happens to hold few slow batches does not undo it at once), and is 1 again when the fit restarts (a window
+of two machines' batches spreads as neither does). Admission under a confirmed overload counts the batch a
+request rides in at it (``admit.Admitter._tail``). A lasting slowdown is not spread: it moves every
+batch alike, which is the pace's to follow and the fit's to learn.
+
 **The same inputs give the same coefficients on every machine, to the last bit.** Scheduling compares
 predicted times (a batch against ``--interactive-batch-ms``, a run's rate against another's), and some
 of those comparisons can land exactly on a boundary; if the fit went through BLAS (``x @ x``), its
@@ -40,7 +52,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import add, mul, sub
+from operator import add, mul, sub, truediv
 
 # The pace: the median of this many batches' measured ÷ fitted seconds, within these bounds (a broken
 # measurement must neither stop admission nor open it wide). It starts once the fit has this many
@@ -51,6 +63,13 @@ PACE_AFTER = 4
 # Every one of the last PACE_SPAN batches this far off the fit (slower, or faster by its inverse) is a
 # lasting change, not noise: the fit starts again from them.
 PACE_SHIFT = 1.5
+# The spread (see the module's docstring): over the fit's window, once it holds SPREAD_AFTER batches, the
+# SPREAD_QUANTILE-th of measured ÷ fitted seconds over their median, within SPREAD_BOUNDS, falling by at most
+# SPREAD_HOLD's complement a refit.
+SPREAD_QUANTILE = 0.95
+SPREAD_AFTER = 16
+SPREAD_BOUNDS = (1.0, 3.0)
+SPREAD_HOLD = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +77,7 @@ class Coefficients:
     overhead_s: float  # a: fixed cost of one forward
     per_token_s: float  # b: cost of one padded token
 
-    def predict(self, padded_tokens: int) -> float:
+    def predict(self, padded_tokens: float) -> float:
         return self.overhead_s + self.per_token_s * padded_tokens
 
 
@@ -78,6 +97,7 @@ class CostModel:
         self._refit_every = max(1, window // 16)
         self.observations = 0
         self.restarts = 0  # times the fit started again from the recent batches (a lasting change)
+        self.spread = 1.0  # how far past the typical forward the slow ones run (the module's docstring)
 
     def observe(self, padded_tokens: int, seconds: float) -> None:
         if seconds <= 0 or padded_tokens <= 0:
@@ -104,6 +124,7 @@ class CostModel:
                 self._y = [t for _, t in self._recent]
                 self._next = len(self._x) % self._window
                 self.restarts += 1
+                self.spread = 1.0  # (what the old and new machine's batches spread is neither's)
                 self._refit()
                 ratios = self._ratios()
             lo, hi = PACE_BOUNDS
@@ -142,6 +163,11 @@ class CostModel:
                 a, b = least_squares(kept_x, list(compress(y, keep))) or (a, b)
         # Time never shrinks with more tokens and a forward never costs less than nothing.
         self.fit = Coefficients(max(a, 0.0), max(b, 1e-9))
+        if len(x) >= SPREAD_AFTER:
+            ratios = sorted(map(truediv, y, map(max, map(self.fit.predict, x), repeat(1e-12))))
+            lo, hi = SPREAD_BOUNDS
+            tail = ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))] / ratios[len(ratios) // 2]
+            self.spread = min(max(tail, self.spread * SPREAD_HOLD, lo), hi)
 
 
 def least_squares(x: list[float], y: list[float]) -> tuple[float, float] | None:

@@ -103,13 +103,16 @@ def simulate(
     measure_from: float = 0.0,
     stall: float = 1.0,
     slowdown: float = 1.0,
+    spikes: tuple[float, float] = (0.0, 1.0),
 ) -> Result:
     """Run ``arrivals`` through a scheduler of ``config`` against a model whose forward of ``padded``
     tokens takes ``a + b·padded`` s (±``noise``). ``stall``: each batch holds the model ``stall`` times as
     long as its forward, which is all the cost model is told (the rest is what the process and the
     machine do between forwards: tokenising, answering, other programs on the cores). ``slowdown``: every
     forward takes that many times what the warm-up measured (other programs on the cores slow the forward
-    itself; the cost model is told, but was seeded fast)."""
+    itself; the cost model is told, but was seeded fast). ``spikes``: (share, factor): that share of
+    forwards, at random, take ``factor`` times as long (a forward whose thread other programs on the
+    cores preempt: the cost model is told, but a mean cannot say which batch it will be)."""
     rng = random.Random(seed)
     sched = Scheduler(config, CostModel(), eager_cost)
     # Seed the cost model as the server's warm-up does; a server slowed down after running a while at
@@ -186,6 +189,8 @@ def simulate(
                 res.late_dispatches += sum(1 for e in batch if e.deadline is not None and e.deadline <= now)
                 padded = decision.padded_tokens
                 seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise)) * slowdown
+                if rng.random() < spikes[0]:
+                    seconds *= spikes[1]
                 res.batch_sizes.append(len(batch))
                 push(now + seconds * stall, "done", (batch, padded, seconds))
                 continue

@@ -9,7 +9,7 @@ import random
 from itertools import pairwise
 
 import pytest
-from coalesce.service.batching import admit
+from coalesce.service.batching import admit, cost
 from coalesce.service.batching.admit import DOOR, HOLD_S
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.fair import Entry
@@ -113,6 +113,30 @@ def test_time_that_holds_the_model_besides_the_forward_is_counted_in_a_standing_
     blind = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall)
     assert blind.late > 0.1 * refused(blind) and blind.late > 4 * res.late
     assert blind.pct(0.99) > 1.15 * TARGET
+
+
+@pytest.mark.parametrize("spikes", [(0.1, 2.0), (0.2, 1.5)])
+@pytest.mark.parametrize("load", [2.0, 4.0])
+def test_forwards_that_run_long_at_random_are_promised_at_their_slow_end(
+    spikes: tuple[float, float], load: float, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tenth of forwards run twice as long as the rest (or a fifth half as long again), at random: on
+    # two cores the event loop refusing the overload and other programs preempt the forward's threads
+    # (the bench's 4× step: the slowest 1% rode forwards of 381 ms, the mean 189). No prediction can say
+    # which batch it will be, so a standing queue promises a first result by a slow forward (the cost
+    # model's spread), and the admitted p99 keeps the target with the model as busy. Measured from 6 s:
+    # the spread is learnt from the batches that ran (the first seconds of a server's life have too
+    # few of these 200-ms batches).
+    share, factor = spikes
+    capacity = CAPACITY / (1 + share * (factor - 1))  # what the model serves with its slow forwards
+    arrivals = own_flows(poisson(load * CAPACITY, 20.0, random.Random(3), tokens=TOKENS))
+    res = simulate(shedding(), arrivals, A, B, measure_from=6.0, spikes=spikes, seed=3)
+    assert res.pct(0.99) <= TARGET
+    assert res.throughput((6.0, res.end)) >= 0.9 * capacity
+    # Promising by the mean forward (the spread held at 1), the admitted p99 passed the target.
+    monkeypatch.setattr(cost, "SPREAD_BOUNDS", (1.0, 1.0))
+    blind = simulate(shedding(), arrivals, A, B, measure_from=6.0, spikes=spikes, seed=3)
+    assert blind.pct(0.99) > 1.05 * TARGET
 
 
 def test_the_drain_pace_is_wall_time_between_completions_over_forwards_while_work_waits() -> None:
