@@ -5,9 +5,8 @@
 #
 #     bash loadtests/engine_ops_ab.sh REV [ROUNDS] [engine_ops flags ...]
 #
-# REV is built into a wheel (`coalesce.loadtests.gpu.bundle baseline`, a temporary worktree) and
-# installed into a directory of its own, which goes first on PYTHONPATH for the baseline's runs (the
-# same way kernels/gpu_ab.sh serves a baseline on the GPU machine). ROUNDS (default 3) pairs; the
+# REV is built into a wheel and installed into a directory of its own, first on PYTHONPATH for the
+# baseline's runs (baseline_site.sh). ROUNDS (default 3) pairs; the
 # flags default to the service's case behind many gateways: `--jobs 1 --gateways 48 --rounds 400
 # --cache-mb 64 --shared-metrics`. Prints one line per run: round, which code, engine_ops' row.
 set -euo pipefail
@@ -19,8 +18,8 @@ flags=("$@")
 py=${PYTHON:-.venv/bin/python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$py" -m coalesce.loadtests.gpu.bundle baseline "$work" "$rev" > /dev/null
-"$py" -m pip install -q --no-deps --no-compile --target "$work/site" "$work"/base/coalesce-*.whl
+. "$(dirname "$0")/baseline_site.sh"
+baseline_site "$rev" "$work"
 run() {  # $1: current or baseline
     local env=()
     [ "$1" = current ] || env=(env "PYTHONPATH=$work/site${PYTHONPATH:+:$PYTHONPATH}")
