@@ -80,6 +80,7 @@ class ModelSeries:
     queue_wait: tuple[Histogram, ...]  # indexed by priority class: high, normal, low
     cost_overhead: Gauge
     cost_per_token: Gauge
+    cost_spread: Gauge
     batch_size: Histogram
     batch_tokens: Histogram
     padding_ratio: Histogram
@@ -179,6 +180,12 @@ class Metrics:
         self.cost_per_token = Gauge(
             "coalesce_cost_per_token_seconds",
             "Cost of one padded token: the fit, at the pace forwards run now.", ["model"],
+            multiprocess_mode="livemax", registry=r
+        )
+        self.cost_spread = Gauge(
+            "coalesce_cost_spread",
+            "How far the slow forwards run past the typical one (95th percentile over median of measured "
+            "over fitted seconds, >= 1): a standing queue promises by a forward this much slower.", ["model"],
             multiprocess_mode="livemax", registry=r
         )
         # Batches.

@@ -755,6 +755,7 @@ class Batcher:
                 self._coef_shown = coef
                 m.cost_overhead.set(coef.overhead_s)
                 m.cost_per_token.set(coef.per_token_s)
+                m.cost_spread.set(self.scheduler.cost.spread)
             self._wake.set()
 
     def _batch_span(self, tracer: tracing.Tracer, batch: list[Entry], padded: int, start: float) -> Any:
