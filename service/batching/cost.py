@@ -77,7 +77,7 @@ class Coefficients:
     overhead_s: float  # a: fixed cost of one forward
     per_token_s: float  # b: cost of one padded token
 
-    def predict(self, padded_tokens: float) -> float:
+    def predict(self, padded_tokens: int) -> float:
         return self.overhead_s + self.per_token_s * padded_tokens
 
 
@@ -163,8 +163,9 @@ class CostModel:
                 a, b = least_squares(kept_x, list(compress(y, keep))) or (a, b)
         # Time never shrinks with more tokens and a forward never costs less than nothing.
         self.fit = Coefficients(max(a, 0.0), max(b, 1e-9))
-        if len(x) >= SPREAD_AFTER:
-            ratios = sorted(map(truediv, y, map(max, map(self.fit.predict, x), repeat(1e-12))))
+        if len(x) >= SPREAD_AFTER:  # (fitted seconds > 0: a ≥ 0, b > 0 and every x > 0, as observe() keeps)
+            a, b = self.fit.overhead_s, self.fit.per_token_s
+            ratios = sorted(map(truediv, y, map(add, repeat(a), map(mul, repeat(b), x))))
             lo, hi = SPREAD_BOUNDS
             tail = ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))] / ratios[len(ratios) // 2]
             self.spread = min(max(tail, self.spread * SPREAD_HOLD, lo), hi)
