@@ -25,13 +25,15 @@ real one) that no single scale corrects.
 
 **The spread.** A mean is all a fit can predict, and on a machine whose cores the forward shares (the
 event loop refusing an overload on two cores, other programs) some forwards run far past it at random: at
-4× load in the bench the slowest 1% of admitted requests rode forwards of 381 ms where the mean was 189.
+4× load in the bench the slowest 1% of admitted requests rode forwards of 353 ms where the mean was 156.
 Promises made by the mean are then broken by every slow batch, and the admitted p99 passes the target by
 as much. So each refit also measures, over the fit's window, how far the slow forwards run past the
 typical one: the :data:`SPREAD_QUANTILE`-th of measured ÷ fitted seconds over their median
-(:attr:`CostModel.spread`, ≥ 1). It falls by at most a tenth a refit (:data:`SPREAD_HOLD`: a window that
-happens to hold few slow batches does not undo it at once), and is 1 again when the fit restarts (a window
-of two machines' batches spreads as neither does). Admission under a confirmed overload counts the batch a
+(:attr:`CostModel.spread`, ≥ 1; within a tenth it is noise, and 1: :data:`SPREAD_NOISE`). It falls by
+at most a tenth a refit (:data:`SPREAD_HOLD`: a window that
+happens to hold few slow batches does not undo it at once); it stands still while the recent batches run
+off the fit by more than :data:`PACE_SHIFT`, and is 1 again when the fit restarts (a window of two
+machines' batches spreads as neither does). Admission under a confirmed overload counts the batch a
 request rides in at it (``admit.Admitter._tail``). A lasting slowdown is not spread: it moves every
 batch alike, which is the pace's to follow and the fit's to learn.
 
@@ -70,6 +72,10 @@ SPREAD_QUANTILE = 0.95
 SPREAD_AFTER = 16
 SPREAD_BOUNDS = (1.0, 3.0)
 SPREAD_HOLD = 0.9
+# A spread within this is the forwards' everyday noise, which admission's door already leaves a tenth of
+# slack for (``admit.DOOR``): it counts as none. (Counted, ±5% noise shortened a slowed machine's batches
+# and promises by 3% and took its goodput under 0.9× of what it serves in the simulator.)
+SPREAD_NOISE = 1.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +169,15 @@ class CostModel:
                 a, b = least_squares(kept_x, list(compress(y, keep))) or (a, b)
         # Time never shrinks with more tokens and a forward never costs less than nothing.
         self.fit = Coefficients(max(a, 0.0), max(b, 1e-9))
-        if len(x) >= SPREAD_AFTER:  # (fitted seconds > 0: a ≥ 0, b > 0 and every x > 0, as observe() keeps)
+        # (Not while the recent batches run off the fit by more than PACE_SHIFT: the window then holds two
+        # machines' batches, the restart's case, whose spread is neither's.)
+        if len(x) >= SPREAD_AFTER and 1 / PACE_SHIFT < self.pace < PACE_SHIFT:
+            # (fitted seconds > 0: a ≥ 0, b > 0 and every x > 0, as observe() keeps)
             a, b = self.fit.overhead_s, self.fit.per_token_s
             ratios = sorted(map(truediv, y, map(add, repeat(a), map(mul, repeat(b), x))))
             lo, hi = SPREAD_BOUNDS
             tail = ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))] / ratios[len(ratios) // 2]
-            self.spread = min(max(tail, self.spread * SPREAD_HOLD, lo), hi)
+            self.spread = min(max(tail if tail > SPREAD_NOISE else 1.0, self.spread * SPREAD_HOLD, lo), hi)
 
 
 def least_squares(x: list[float], y: list[float]) -> tuple[float, float] | None:

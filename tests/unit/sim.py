@@ -189,7 +189,7 @@ def simulate(
                 res.late_dispatches += sum(1 for e in batch if e.deadline is not None and e.deadline <= now)
                 padded = decision.padded_tokens
                 seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise)) * slowdown
-                if rng.random() < spikes[0]:
+                if spikes[0] and rng.random() < spikes[0]:  # (no draw without: other runs' noise unchanged)
                     seconds *= spikes[1]
                 res.batch_sizes.append(len(batch))
                 push(now + seconds * stall, "done", (batch, padded, seconds))

@@ -122,7 +122,7 @@ def test_forwards_that_run_long_at_random_are_promised_at_their_slow_end(
 ) -> None:
     # A tenth of forwards run twice as long as the rest (or a fifth half as long again), at random: on
     # two cores the event loop refusing the overload and other programs preempt the forward's threads
-    # (the bench's 4× step: the slowest 1% rode forwards of 381 ms, the mean 189). No prediction can say
+    # (the bench's 4× step: the slowest 1% rode forwards of 353 ms, the mean 156). No prediction can say
     # which batch it will be, so a standing queue promises a first result by a slow forward (the cost
     # model's spread), and the admitted p99 keeps the target with the model as busy. Measured from 6 s:
     # the spread is learnt from the batches that ran (the first seconds of a server's life have too
