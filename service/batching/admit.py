@@ -353,7 +353,7 @@ class Admitter:
         if not self.regime.observe(now):
             return []
         anchor = waiting[0]
-        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens)) * self._pace() * self._tail()
+        alone = self._cost.predict(self._padded_cost(1, anchor.n_tokens)) * self._ride()
         limit = cfg.max_queue_wait_s - self.batch_s(0)
         lowest = max(PRIORITIES["normal"], *(e.priority for e in waiting))
         confirmed = self.regime.confirmed(now)  # an overload: what a burst was admitted is held too
@@ -391,8 +391,8 @@ class Admitter:
     def batch_limit_s(self) -> float:
         """The longest forward a standing queue runs: one that holds the model (the forward at the drain
         pace) half the wait bound, when it runs as slow as forwards run now (at the spread, under a
-        confirmed overload: :meth:`_tail`); the other half is the queue."""
-        return self.config.max_queue_wait_s / 2 / self._pace() / self._tail()
+        confirmed overload: :meth:`_ride`); the other half is the queue."""
+        return self.config.max_queue_wait_s / 2 / self._ride()
 
     def batch_s(self, first: int) -> float:
         """Predicted seconds of the batch a new input of ``first`` tokens would ride in: under load the
@@ -400,14 +400,14 @@ class Admitter:
         more than half the wait bound (or its own forward alone, if longer): adaptive batching keeps a
         batch within what its oldest input has left of the target, so on a machine where a full batch
         takes longer than the bound, batches are smaller, not late. Under a confirmed overload, at the
-        slow end of the forwards running now (the cost model's spread, :meth:`_tail`): the door promises
+        slow end of the forwards running now (the cost model's spread, :meth:`_ride`): the door promises
         a first result by it, and :meth:`late` drops what can no longer make the bound by it."""
         queue = self._queue
         n = min(self.config.max_batch_size, queue.items + 1)
         longest = max(first, queue.tokens // queue.items if queue.items else 0, 1)
         full = self._cost.predict(self._padded_cost(n, longest))
         alone = self._cost.predict(self._padded_cost(1, max(first, 1)))
-        return min(full, max(alone, self.batch_limit_s)) * self._pace() * self._tail()
+        return min(full, max(alone, self.batch_limit_s)) * self._ride()
 
     def drained(self, seconds: float | None, now: float, backlog: bool) -> None:
         """A batch whose forward took ``seconds`` (None: it failed) finished at ``now``; ``backlog``:
@@ -470,11 +470,11 @@ class Admitter:
         promise; an overload's promise is what the pace keeps."""
         return self.drain_pace if self.regime.overload else 1.0
 
-    def _tail(self) -> float:
-        """What a predicted forward of the batch a request rides in is scaled by: the cost model's
-        spread (:attr:`.cost.CostModel.spread`) under a confirmed overload, else 1 (as :meth:`_pace`, and
-        for its reasons)."""
-        return self._cost.spread if self.regime.overload else 1.0
+    def _ride(self) -> float:
+        """What a predicted forward of the batch a request rides in is scaled by: under a confirmed
+        overload the drain pace (as :meth:`_pace`, and for its reasons) and the cost model's spread
+        (:attr:`.cost.CostModel.spread`: by a slow forward, not a mean one), else 1."""
+        return self.drain_pace * self._cost.spread if self.regime.overload else 1.0
 
     def _run_s(self, inputs: float, tokens: float) -> float:
         """Seconds to run ``inputs`` waiting inputs of ``tokens`` tokens: padded as recent batches

@@ -34,7 +34,7 @@ at most a tenth a refit (:data:`SPREAD_HOLD`: a window that
 happens to hold few slow batches does not undo it at once); it stands still while the recent batches run
 off the fit by more than :data:`PACE_SHIFT`, and is 1 again when the fit restarts (a window of two
 machines' batches spreads as neither does). Admission under a confirmed overload counts the batch a
-request rides in at it (``admit.Admitter._tail``). A lasting slowdown is not spread: it moves every
+request rides in at it (``admit.Admitter._ride``). A lasting slowdown is not spread: it moves every
 batch alike, which is the pace's to follow and the fit's to learn.
 
 **The same inputs give the same coefficients on every machine, to the last bit.** Scheduling compares
