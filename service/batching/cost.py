@@ -74,7 +74,7 @@ SPREAD_BOUNDS = (1.0, 3.0)
 SPREAD_HOLD = 0.9
 # A spread within this is the forwards' everyday noise, which admission's door already leaves a tenth of
 # slack for (``admit.DOOR``): it counts as none. (Counted, ±5% noise shortened a slowed machine's batches
-# and promises by 3% and took its goodput under 0.9× of what it serves in the simulator.)
+# and promises enough to fail the simulator's goodput bound for it, 0.9× of what it serves.)
 SPREAD_NOISE = 1.1
 
 
