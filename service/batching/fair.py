@@ -113,7 +113,8 @@ class _Flow(msgspec.Struct, eq=False):
     vtime: float  # tokens served (a flow's weight is 1): the start tag of its first waiting input
     entries: deque[Entry]
     items: int = 1
-    order_key: _Key | None = None  # its place in cls.order while it has waiting inputs
+    order_key: _Key | None = None  # its place in cls.order (or cls.fresh) while it has waiting inputs
+    fresh: bool = False  # joined while the queue was split (:meth:`FairQueue.split_off`): in cls.fresh
 
 
 @dataclass(slots=True, eq=False)
@@ -128,6 +129,11 @@ class _Class:
     flows: dict[Hashable, _Flow] = field(default_factory=dict)  # flows with waiting inputs
     order: list[_Key] = field(default_factory=list)  # those flows by (start, finish, join order)
     multi: int = 0  # flows with more than one waiting input
+    # While the queue is split (FairQueue.split_off): the flows that joined since, kept as ``order`` is and
+    # served before it, and their waiting inputs and tokens.
+    fresh: list[_Key] = field(default_factory=list)
+    fresh_items: int = 0
+    fresh_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -154,9 +160,42 @@ class FairQueue:
         self._active_weight = 0.0
         self._clock = 0.0  # the tenant level's fluid virtual time
         self._seq = itertools.count()
+        self.split = False  # flows joining now go before those that joined earlier (see split_off())
+
+    # -- the newest first, for a moment ---------------------------------------------------------------
+    def split_off(self) -> None:
+        """From now on, within each class, flows that join go before the flows already waiting (the
+        backlog), in fair order among themselves, until :meth:`fold`. Tenants and classes keep their
+        shares: only the order of one class's requests changes.
+
+        The scheduler splits the queue while it stands and is not yet confirmed an overload
+        (:mod:`.overload`): what waits then was admitted as a burst, and a burst and the onset of an
+        overload look alike until one of them stops. Served first, it made everything admitted behind it
+        wait past the bound; set aside, the requests admitted now under the standing queue's promise keep
+        it, and the backlog is served once they are (a burst that stops arriving) or held to the bound
+        when the overload is confirmed (the scheduler folds then, and what can no longer start in time
+        is answered late). The adaptive LIFO of "Fail at Scale" (Facebook, 2015), at the grain of one
+        regime change rather than of every request."""
+        self.split = True
+
+    def fold(self) -> None:
+        """Back to one fair order: the flows that joined while split take their places among the
+        backlog by their tags (the backlog's are older: it goes first again)."""
+        if not self.split:
+            return
+        self.split = False
+        for t in self._active.values():
+            for c in t.classes:
+                if c.fresh:
+                    for key in c.fresh:
+                        key[3].fresh = False
+                    c.order = list(heapq.merge(c.order, c.fresh))
+                    c.fresh = []
+                    c.fresh_items = c.fresh_tokens = 0
 
     # -- in ------------------------------------------------------------------------------------------
     def add(self, entries: Iterable[Entry]) -> None:
+        split = self.split
         for e in entries:
             t = self.tenants.get(e.tenant)
             if t is None:
@@ -184,11 +223,11 @@ class FairQueue:
                     c.vtime = max(floor, t.clock - e.n_tokens / c.weight)
             f = c.flows.get(e.flow)
             if f is None:
-                order = c.order
+                order = c.fresh if split else c.order
                 # (The class's mean waiting input as the credit, not this input's own tokens: see
                 # "Joining" above. ``order`` is non-empty, so the class has inputs waiting.)
                 start = max(order[0][0], c.clock - c.tokens / c.items) if order else c.clock
-                f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, deque((e,)))
+                f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, deque((e,)), fresh=split)
                 key = f.order_key = (start, start + e.n_tokens, f.seq, f)
                 if not order or order[-1] < key:
                     order.append(key)  # the usual place: one-input flows join in arrival order
@@ -199,6 +238,9 @@ class FairQueue:
                     c.multi += 1
                 f.entries.append(e)
                 f.items += 1
+            if split and f.fresh:  # (a flow is fresh only while the queue is split)
+                c.fresh_items += 1
+                c.fresh_tokens += e.n_tokens
             e._flow = f
             c.items += 1
             c.tokens += e.n_tokens
@@ -253,7 +295,11 @@ class FairQueue:
         own: float = tokens
         if t is not None:
             mine = t.classes[min(max(priority, 0), 2)]
-            if mine.items:  # each flow sends about one input, or as many tokens as this request
+            if self.split:  # a newcomer joins the flows that joined since the split, ahead of the rest
+                if mine.fresh_items:
+                    own += min(mine.fresh_tokens,
+                               len(mine.fresh) * max(tokens, mine.fresh_tokens / mine.fresh_items))
+            elif mine.items:  # each flow sends about one input, or as many tokens as this request
                 own += min(mine.tokens, len(mine.flows) * max(tokens, mine.tokens / mine.items))
             scale = own / mine.weight
             siblings = 0.0  # (loops, not sum() over generators: this runs for every admitted request)
@@ -349,7 +395,7 @@ class FairQueue:
         self._clock += total / self._active_weight
         for c, (tokens, _) in classes.items():
             c.vtime += tokens / c.weight
-            c.clock += tokens / len(c.order)
+            c.clock += tokens / (len(c.order) + len(c.fresh))
         for f, (tokens, _) in flows.items():
             f.vtime += tokens
 
@@ -368,8 +414,21 @@ def _sums(parts: Iterable[tuple[_Part, list[int]]]) -> dict[_Part, list[int]]:
 
 
 def _reorder(c: _Class, flows: dict[_Flow, list[int]]) -> None:
-    """Give the flows of ``c`` that lost inputs their new place in ``c.order``, or drop them if empty."""
-    order = c.order
+    """Give the flows of ``c`` that lost inputs their new place in ``c.order`` (or, split, in ``c.fresh``:
+    each stays in its own), or drop them if empty."""
+    if c.fresh:
+        fresh = {f: got for f, got in flows.items() if f.fresh}
+        if fresh:
+            for tokens, n in fresh.values():
+                c.fresh_items -= n
+                c.fresh_tokens -= tokens
+            _requeue(c, c.fresh, fresh)
+            flows = {f: got for f, got in flows.items() if not f.fresh}
+    _requeue(c, c.order, flows)
+
+
+def _requeue(c: _Class, order: list[_Key], flows: dict[_Flow, list[int]]) -> None:
+    """:func:`_reorder` for flows of ``c`` that are all in ``order``."""
     olds: list[_Key] = [f.order_key for f in flows if f.order_key is not None]
     news: list[_Key] = []
     for f, (_, n) in flows.items():
@@ -408,11 +467,20 @@ def _tenant_order(t: _Tenant, size: int) -> Iterator[Entry]:
 
 
 def _class_order(c: _Class, size: int) -> Iterator[Entry]:
-    """The class's first ``size`` waiting inputs (or more), in fair order."""
-    order = c.order
+    """The class's first ``size`` waiting inputs (or more), in fair order: while the queue is split,
+    those of the flows that joined since first (:meth:`FairQueue.split_off`)."""
+    if not c.fresh:
+        return _flows_order(c.order, c.multi, size)
+    if not c.order:
+        return _flows_order(c.fresh, c.multi, size)
+    return itertools.chain(_flows_order(c.fresh, c.multi, size), _flows_order(c.order, c.multi, size))
+
+
+def _flows_order(order: list[_Key], multi: int, size: int) -> Iterator[Entry]:
+    """The inputs of the flows of ``order`` (``multi``: whether some have several), in fair order."""
     if len(order) == 1:
         return (e for e in order[0][3].entries if not e.taken)
-    if c.multi == 0:  # one-input flows only (the common case): their heads, in order
+    if multi == 0:  # one-input flows only (the common case): their heads, in order
         return iter([k[3].entries[0] for k in order[:size]])
     return _flow_merge(order)
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 # Arrivals are judged over this long: requests reach admission in clumps (one event-loop turn's
@@ -82,6 +82,7 @@ class Regime:
         self._asked_tokens = 0
         self.capacity = math.inf
         self._waiting: deque[_Waiting] = deque()  # queued inputs, in the order they were admitted
+        self.listener: Callable[[], None] | None = None  # called when standing or overload changes
 
     def recent(self, now: float, intervals: float = MEMORY) -> bool:
         """Whether the queue stands, or stood within the last ``intervals`` intervals (the overload
@@ -159,7 +160,10 @@ class Regime:
         overload = self.overload_at(now)
         if self.overload and not overload:
             self._overload_ended = now
+        changed = overload != self.overload or self.standing != was
         self.overload = overload
+        if changed and self.listener is not None:
+            self.listener()
         return self.standing
 
 

@@ -154,6 +154,7 @@ class Scheduler:
             config.admission(), self._queue, cost, padded_cost, lambda now: max(0.0, self.busy_until - now)
         )
         self.regime = self.admission.regime
+        self.regime.listener = self._tier
 
     @property
     def queued_tokens(self) -> int:
@@ -343,6 +344,15 @@ class Scheduler:
         self.inflight += 1
         self.busy_until = start + predicted
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)
+
+    def _tier(self) -> None:
+        """The regime changed (:meth:`.overload.Regime.observe` calls this): while the queue stands and
+        is not yet confirmed an overload, what joins it goes before what waits, which was admitted as a
+        burst (:meth:`.fair.FairQueue.split_off`); otherwise one fair order."""
+        if self.admission.on and self.regime.standing and not self.regime.overload:
+            self._queue.split_off()
+        else:
+            self._queue.fold()
 
     def _query_first(self, window: list[Entry]) -> tuple[list[Entry], bool]:
         """``window`` (anchored by a bulk input) with the first query of the anchor's tenant and class

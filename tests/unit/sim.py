@@ -53,6 +53,7 @@ class Result:
     expired: int = 0
     shed: int = 0
     late_tokens: list[int] = field(default_factory=list)  # each first input dropped at dequeue, its tokens
+    late_arrivals: list[float] = field(default_factory=list)  # and when its request arrived
     retried: int = 0  # refusals (and late drops) that came back after their Retry-After
     failed: list[Arrival] = field(default_factory=list)  # refused or late with no retry left
     standing: list[tuple[float, bool]] = field(default_factory=list)  # (time, regime) at each change
@@ -66,6 +67,10 @@ class Result:
     def late(self) -> int:
         """First inputs dropped at dequeue: the regime would no longer run them."""
         return len(self.late_tokens)
+
+    def late_since(self, t: float) -> int:
+        """First inputs dropped at dequeue whose requests arrived at ``t`` or after."""
+        return sum(1 for at in self.late_arrivals if at >= t)
 
     def pct(self, q: float, values: list[float] | None = None) -> float:
         vals = sorted(self.latencies if values is None else values)
@@ -180,6 +185,7 @@ def simulate(
             res.expired += len(expired)
             res.shed += len(shed)
             res.late_tokens += [e.n_tokens for e in late]
+            res.late_arrivals += [e.arrival for e in late]
             for e, after in zip(late, retry_after, strict=True):
                 come_back(e.payload, now, after)
             if not res.standing or res.standing[-1][1] != sched.standing:

@@ -158,15 +158,18 @@ def test_emptied_flows_and_idle_tenants_hold_no_memory() -> None:
     assert all(not c.flows and not c.order for c in classes)
 
 
+@pytest.mark.parametrize("split", [None, 200], ids=["one order", "split"])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(seed: int) -> None:
+def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(seed: int, split: int | None) -> None:
     # The window is computed without taking anything; it must be exactly the order in which the
     # inputs would be served if each were taken (and charged) alone, across tenants, classes and flows,
-    # with inputs already taken out of the middle of flows.
+    # with inputs already taken out of the middle of flows (and with the queue split half way).
     def build() -> FairQueue:
         rng = random.Random(seed)
         q = FairQueue(WEIGHTS)
         for i in range(400):
+            if i == split:
+                q.split_off()
             n = rng.choice([1, 1, 1, 3, 20])
             q.add(
                 [
@@ -194,3 +197,55 @@ def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(seed: int) -> No
         one_by_one.append(e.payload)
         b.take([e], charge=True)
     assert window == one_by_one
+
+
+def test_while_split_the_requests_that_join_go_before_the_backlog_until_it_folds() -> None:
+    # A backlog of one-input requests (a burst), then the queue splits (it stands, not yet confirmed an
+    # overload): the requests that join go first, in their own arrival order, and a newcomer counts only
+    # them ahead of it; folded, the backlog's older tags put it first again.
+    q = FairQueue(WEIGHTS)
+    backlog = [Entry(10, 0.0, flow=("old", i)) for i in range(50)]
+    q.add(backlog)
+    q.take(q.window(5), charge=True)
+    q.split_off()
+    fresh = [Entry(10, 1.0, flow=("new", i)) for i in range(8)]
+    for e in fresh:
+        q.add([e])
+    assert q.tokens_ahead("default", 1.0, 1, 10) == 8 * 10  # not the 45 waiting behind them
+    window = q.window(20)
+    assert window[:8] == fresh and window[8:] == backlog[5:17]
+    q.take(window[:3], charge=True)
+    assert q.window(5) == fresh[3:]
+    q.fold()
+    assert q.window(45 + 5) == [*backlog[5:], *fresh[3:]]
+    assert q.tokens_ahead("default", 1.0, 1, 10) == (45 + 5) * 10
+
+
+def test_a_split_keeps_the_shares_of_tenants_and_classes() -> None:
+    # The split orders one class's requests only: a light tenant's backlog keeps its tenant's share
+    # beside a flood that joins after the split, and a low backlog its class's share beside new
+    # normal requests.
+    q = FairQueue(WEIGHTS)
+    q.add([Entry(10, 0.0, tenant="light", flow=("light", i)) for i in range(100)])
+    q.add([Entry(10, 0.0, priority=2, flow=("low", i)) for i in range(50)])
+    q.split_off()
+    q.add([Entry(10, 1.0, flow=("flood", i)) for i in range(400)])
+    served = serve(q, 10, 10)
+    light = sum(n for (tenant, _, _), n in served.items() if tenant == "light")
+    low = sum(n for (_, priority, _), n in served.items() if priority == 2)
+    assert light == pytest.approx(500, rel=0.1)  # half the model: two tenants of one weight
+    assert low == pytest.approx(500 / 5, rel=0.2)  # normal:low = 4:1 of the default tenant's half
+
+
+def test_a_split_queue_emptied_and_folded_holds_no_memory() -> None:
+    q = FairQueue(WEIGHTS)
+    q.add(entries(30, flow="bulk"))
+    q.split_off()
+    for i in range(30):
+        q.add([Entry(4, 1.0, flow=i)])
+    q.take(q.window(45)[::2], charge=True)
+    q.fold()
+    q.take(q.window(100), charge=True)
+    assert q.items == 0 and q.tokens == 0 and not list(q.waiting())
+    classes = [c for t in q.tenants.values() for c in t.classes]
+    assert all(not c.flows and not c.order and not c.fresh and not c.fresh_items for c in classes)

@@ -69,7 +69,9 @@ def test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves
     arrivals = own_flows(poisson(1.6 * padded_capacity, 20.0, random.Random(5),
                                  tokens=lambda rng: rng.randint(4, 28)))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
-    assert all(regime_at(res, t) for t in (3.0, 5.0, 10.0, 15.0))  # it knows it stands, early
+    # It knows it stands, early and nearly throughout (arrivals this close to the rate dip below it
+    # for moments, and so does the regime).
+    assert regime_at(res, 3.0) and standing_share(res, 2.0, 20.0) >= 0.85
     assert res.pct(0.99) <= TARGET * 1.05
     # The excess is refused, not queued: about 15% arrive beyond what is served.
     assert refused(res) >= 0.12 * len(arrivals)
@@ -103,7 +105,9 @@ def test_time_that_holds_the_model_besides_the_forward_is_counted_in_a_standing_
     capacity = CAPACITY / stall
     arrivals = own_flows(poisson(2.0 * capacity, 20.0, random.Random(seed), tokens=TOKENS))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall)
-    assert res.late <= 0.05 * refused(res), (res.late, dict(res.refused))
+    # (Late drops of what arrived once the overload went on: its onset's are the same either way,
+    # what a burst was admitted before the queue stood, held to the bound once it is confirmed.)
+    assert res.late_since(2.0) <= 0.05 * refused(res), (res.late_since(2.0), dict(res.refused))
     assert res.pct(0.99) <= TARGET
     assert res.throughput((2.0, res.end)) >= 0.95 * capacity
     # With the pace held at 1, predictions of forwards alone promised starts the queue did not keep:
@@ -111,7 +115,7 @@ def test_time_that_holds_the_model_besides_the_forward_is_counted_in_a_standing_
     # p99 passed the target.
     monkeypatch.setattr(admit, "DRAIN_BOUNDS", (1.0, 1.0))
     blind = simulate(shedding(), arrivals, A, B, measure_from=2.0, stall=stall)
-    assert blind.late > 0.1 * refused(blind) and blind.late > 4 * res.late
+    assert blind.late_since(2.0) > 0.1 * refused(blind) and blind.late_since(2.0) > 4 * res.late_since(2.0)
     assert blind.pct(0.99) > 1.15 * TARGET
 
 
@@ -360,18 +364,15 @@ def test_an_overload_from_an_idle_queue_holds_its_start_to_the_bound_once_confir
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # the model kept busy meanwhile
 
 
-@pytest.mark.xfail(strict=True, reason="each 2x phase's first seconds are admitted as a burst (issue 23's "
-                   "soak p99); not fixed: see the 2026-12-04 21:02 session's closing note")
 def test_alternating_half_and_double_capacity_keeps_every_double_phase_within_the_target() -> None:
-    # `make soak`'s load on the virtual clock: 30-s phases of 0.5x and 2x capacity, four of each. A
-    # steady 2x holds the admitted p99 within the target (above); here every 2x phase starts from a
-    # queue that keeps emptying, so its first interval or two are admitted as a burst, up to the burst
-    # bound, and served. Known defect: those are the whole excess. The 2x phases' p99 ran 0.73-0.78 s
-    # against 0.5 s, and their first 2 s alone 0.87-0.92 s, while the rest of each phase held 0.43-0.47 s
-    # (seed 7, the phases' p99 and the first 2 s's are in the assertion's message). Holding a burst's
-    # admission to the standing bound sooner loses callers of the thousand-call burst (the tests above
-    # and the overload module's docstring): the onset of a sustained overload and a burst still arriving
-    # look alike until one of them stops.
+    # `make soak`'s load on the virtual clock: 30-s phases of 0.5x and 2x capacity, four of each. Every
+    # 2x phase starts from a queue that keeps emptying, so its first interval is admitted as a burst,
+    # up to the burst bound (a burst and the onset of an overload look alike until one of them stops).
+    # Served first, that backlog made everything admitted behind it wait past the bound: the 2x phases'
+    # p99 ran 0.73-0.78 s, their first 2 s alone 0.87-0.92 s, while the rest of each phase held
+    # 0.43-0.47 s (seed 7). Set aside once the queue stands (the newest first, FairQueue.split_off), the
+    # requests admitted under the standing promise keep it, and the backlog is held to the bound once
+    # the overload is confirmed.
     rng = random.Random(7)
     phase_s, arrivals = 30.0, []
     for k in range(8):
@@ -498,7 +499,8 @@ def test_a_sustained_overload_is_shed_at_the_door_not_late(load: float) -> None:
     arrivals = own_flows(poisson(load * CAPACITY, 20.0, random.Random(3), tokens=TOKENS))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
     assert standing_share(res, 2.0, 20.0) >= 0.95
-    assert res.late <= 0.04 * refused(res), (res.late, dict(res.refused))
+    # (What arrived once it went on: the onset's backlog is held to the bound, see the test above.)
+    assert res.late_since(2.0) <= 0.04 * refused(res), (res.late_since(2.0), dict(res.refused))
 
 
 def test_a_standing_queue_promises_less_than_it_drops_at(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -571,10 +573,13 @@ def test_time_spent_before_admission_counts() -> None:
     for n in (16, 256, 1024):
         cost.observe(n, A + B * n)
     s = Scheduler(shedding(), cost, lambda n, m: n * m)
-    s.add([Entry(TOKENS, -1.0, flow=i) for i in range(40)])  # about 0.15 s of work ahead, waiting 1 s
+    s.add([Entry(TOKENS, -1.0, flow=i) for i in range(40)])  # waiting 1 s: the queue stands
     s.regime.observe(-0.6)
     s.regime.asked(100_000, 0.0)  # arrivals going on far faster than the model serves
     assert s.regime.observe(0.0)
+    # Admitted since it stood (they go before what it was admitted as a burst): about 0.15 s of work
+    # ahead of a newcomer.
+    s.add([Entry(TOKENS, 0.0, flow=("since", i)) for i in range(40)])
     fresh = s.admit([TOKENS], "default", None, 0.0, arrived=0.0)
     late = s.admit([TOKENS], "default", None, 0.0, arrived=-0.4)
     assert fresh is None
