@@ -321,7 +321,8 @@ class Settings:
         "predicted to wait at most this many ms in the queue (429 queue_full beyond), so a "
         "one-off burst — a RAG ingestion's thousand chunks at once — is queued and served whole rather "
         "than refused. Longer absorbs bigger bursts, at the price of that much latency for the burst's "
-        "tail (and for the first --queue-interval-ms of a sustained overload). Keep it under "
+        "tail (a sustained overload's start is admitted so too, until the queue stands: see "
+        "--queue-interval-ms). Keep it under "
         "--request-timeout-ms (a request that cannot finish by its deadline is refused anyway). 20 s: "
         "a thousand one-chunk calls are about 5 s of work on an idle 2-core machine and took 10.8 s on "
         "a slow one (BENCHMARKS.md, overload), and a burst refused at the bound comes back paced by "
@@ -339,9 +340,11 @@ class Settings:
     queue_interval_ms: float = _knob(
         "How long the queue must stand before admission tightens (CoDel's interval). Longer absorbs "
         "bursts that arrive over a longer time; shorter bounds how much of a sustained overload is "
-        "admitted as a burst before its requests are refused (they then wait up to about two of these "
-        "plus the target: once the queue has stood one interval more, what was admitted as a burst and "
-        "can no longer start within the bound is answered 429 late). Within eight intervals of "
+        "admitted as a burst before its requests are refused. Once the queue stands, the requests it "
+        "admits go before that backlog, so they keep the bound; once it has stood one interval more (an "
+        "overload, not a burst's moment), what was admitted as a burst and can no longer start within "
+        "the bound is answered 429 late, and a burst that stops arriving has its backlog served in "
+        "order. Within eight intervals of "
         "standing, a queue that grows old again stands at once (the overload goes on).",
         default=500.0,
     )

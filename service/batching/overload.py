@@ -22,8 +22,11 @@ sojourn of dispatched inputs: fair queuing sends a fresh query ahead of a backlo
 sojourn stays low under a flood that never drains. The arrival rate is what tells a burst from
 overload once the burst has arrived: both look alike while they arrive, so a queue that has stood for
 a whole interval more is *confirmed* an overload (:meth:`Regime.confirmed`): only then is what its
-start was admitted as a burst held to the standing bound. The admission rules for each regime are in
-:mod:`.admit`.
+start was admitted as a burst held to the standing bound. Meanwhile (standing, not yet confirmed) that
+backlog is set aside: the requests admitted under the standing queue's promise go before it
+(:meth:`.fair.FairQueue.split_off`), so they keep the promise whichever the queue turns out to be; a
+burst that stops arriving has its backlog served, in order, once they are. The admission rules for each
+regime are in :mod:`.admit`.
 
 **Retry-After that works.** A refused caller is told to come back when the queue will have drained
 to half of what the regime admits, and callers refused together are told to come back one after the
