@@ -272,6 +272,8 @@ class Scheduler:
             return Step(None, expired, shed, [], [])
         cfg = self.config
         start = max(now, self.busy_until)
+        if self.admission.on:
+            self.regime.observe(now)  # (first: a change of regime reorders the queue, see _tier)
         window = self._queue.window(window_size(cfg.limits))
         late: list[Entry] = []
         retry: list[float] = []
