@@ -364,16 +364,19 @@ def test_an_overload_from_an_idle_queue_holds_its_start_to_the_bound_once_confir
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # the model kept busy meanwhile
 
 
-def test_alternating_half_and_double_capacity_keeps_every_double_phase_within_the_target() -> None:
+@pytest.mark.parametrize("seed", [7, 1, 11])
+def test_alternating_half_and_double_capacity_keeps_every_double_phase_within_the_target(seed: int) -> None:
     # `make soak`'s load on the virtual clock: 30-s phases of 0.5x and 2x capacity, four of each. Every
     # 2x phase starts from a queue that keeps emptying, so its first interval is admitted as a burst,
     # up to the burst bound (a burst and the onset of an overload look alike until one of them stops).
     # Served first, that backlog made everything admitted behind it wait past the bound: the 2x phases'
     # p99 ran 0.73-0.78 s, their first 2 s alone 0.87-0.92 s, while the rest of each phase held
-    # 0.43-0.47 s (seed 7). Set aside once the queue stands (the newest first, FairQueue.split_off), the
-    # requests admitted under the standing promise keep it, and the backlog is held to the bound once
-    # the overload is confirmed.
-    rng = random.Random(7)
+    # 0.43-0.47 s (seed 7, the code before). Set aside once the queue stands (the newest first,
+    # FairQueue.split_off), the requests admitted under the standing promise keep it, and the backlog
+    # is held to the bound once the overload is confirmed. (With the VM's random slow forwards and a
+    # drain pace on top, what a phase's first half second admits before the queue can stand is still
+    # served past the bound: the soak's remaining miss.)
+    rng = random.Random(seed)
     phase_s, arrivals = 30.0, []
     for k in range(8):
         arrivals += poisson((0.5 if k % 2 == 0 else 2.0) * CAPACITY, phase_s, rng, start=k * phase_s,
