@@ -411,6 +411,43 @@ def test_a_standing_queue_is_confirmed_an_overload_after_a_whole_interval() -> N
     assert regime.observe(1.85) and not regime.confirmed(1.85)  # standing again at once: counted afresh
 
 
+@pytest.mark.parametrize("arrivals_go_on", [True, False], ids=["overload", "burst"])
+def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(arrivals_go_on: bool) -> None:
+    # Two hundred one-input requests admitted as a burst, then the queue stands (not yet confirmed an
+    # overload): what it admits now goes first, and the burst's backlog is not dropped. A whole interval
+    # on, arrivals still coming: an overload, the queue folds back into one fair order and the backlog,
+    # past the bound, is answered late. Arrivals stopped instead: a burst draining, its backlog served.
+    cost = CostModel()
+    for n in (16, 256, 1024):
+        cost.observe(n, A + B * n)
+    s = Scheduler(shedding(), cost, lambda n, m: n * m)
+    burst = [Entry(TOKENS, 0.0, flow=("burst", i)) for i in range(200)]
+    for e in burst:
+        s.add([e])
+    s.regime.asked(100_000, 0.2)
+    assert not s.regime.observe(0.2)  # old since 0.2
+    s.regime.asked(100_000, 0.75)
+    assert s.regime.observe(0.75) and not s.regime.confirmed(0.75)
+    fresh = [Entry(TOKENS, 0.75, flow=("since", i)) for i in range(5)]
+    for e in fresh:
+        s.add([e])
+    step = s.next(0.75)
+    assert isinstance(step.decision, Dispatch) and not step.late
+    batch = step.decision.batch
+    assert batch[:5] == fresh and all(e in burst for e in batch[5:])
+    s.done(step.decision.padded_tokens, 0.2, 0.95)
+    if arrivals_go_on:
+        s.regime.asked(100_000, 1.3)
+    step = s.next(1.3)
+    if arrivals_go_on:
+        assert s.regime.confirmed(1.3)
+        left = burst[len(batch) - 5 :]
+        assert not isinstance(step.decision, Dispatch) and step.late == left  # in fair order, none run
+    else:
+        assert not s.standing and not step.late
+        assert isinstance(step.decision, Dispatch) and step.decision.batch[0] is burst[len(batch) - 5]
+
+
 def test_a_queue_that_was_about_to_stand_but_did_not_leaves_no_memory_of_standing() -> None:
     # Old for a whole interval while arrivals stay below the model's rate: a burst draining, not an
     # overload, so it never stood, and a queue that grows old again later is judged afresh (a whole
