@@ -272,13 +272,16 @@ class Scheduler:
             return Step(None, expired, shed, [], [])
         cfg = self.config
         start = max(now, self.busy_until)
-        if self.admission.on:
-            self.regime.observe(now)  # (first: a change of regime reorders the queue, see _tier)
+        split = self._queue.split
         window = self._queue.window(window_size(cfg.limits))
         late: list[Entry] = []
         retry: list[float] = []
         while True:
-            dropped = self.admission.late(window, start, now)
+            dropped = self.admission.late(window, start, now)  # (observes the regime)
+            if self._queue.split != split:  # the regime changed, and with it the queue's order (_tier)
+                split = self._queue.split
+                window = self._queue.window(window_size(cfg.limits))
+                continue
             if not dropped:
                 break
             self._queue.take(dropped, charge=False)
