@@ -1,39 +1,73 @@
 #!/usr/bin/env bash
-# The bench's overload section, this checkout's code beside an earlier commit's, alternated in one run on
-# this machine (current, baseline, current, ...), so that a change to admission is read side by side on
-# a noisy VM, where one run's 4× goodput has ranged over a third:
+# The bench's overload (or soak) section, one code or knob beside another, alternated in one run on this
+# machine (current, baseline, current, ...), so that a change to admission is read side by side on a
+# noisy VM, where one run's 4× goodput has ranged over a third:
 #
 #     bash loadtests/overload_ab.sh REV [ROUNDS]
+#     CURRENT_ENV="COALESCE_QUEUE_INTERVAL_MS=250" bash loadtests/overload_ab.sh - [ROUNDS]
 #
 # REV is built into a wheel and installed into a directory of its own, first on PYTHONPATH for the
-# baseline's runs, its server's included (baseline_site.sh). ROUNDS (default 2) pairs. Each run is
-# `python -m coalesce.loadtests.bench --only overload` against a scratch copy of BENCHMARKS.md, Infinity
-# left out (its burst is the same program in every run); its log, copy and raw results go under OUT
-# (default bench-out/overload-ab). Prints one line per run: round, which code, the capacity probe, then
-# at 2× and at 4× the admitted p99 (ms), goodput ÷ capacity and the event loop's CPU per refusal (µs).
+# baseline's runs, its server's included (baseline_site.sh); REV `-`: this checkout's code on both sides,
+# to compare knobs. CURRENT_ENV and BASELINE_ENV (space-separated VAR=VALUE, e.g. a COALESCE_* knob) go
+# into each side's environment, which the servers inherit. ROUNDS (default 2) pairs. SECTION: overload
+# (default) or soak (SOAK_MINUTES, default 10). Each run is `python -m coalesce.loadtests.bench --only
+# SECTION` against a scratch copy of BENCHMARKS.md, Infinity left out (its burst is the same program in
+# every run); its log, copy and raw results go under OUT (default bench-out/SECTION-ab). Prints one line
+# per run: round, which code, the capacity probe, then for overload at 2× and at 4× the admitted p99
+# (ms), goodput ÷ capacity and the event loop's CPU per refusal (µs), and the burst's failed calls and
+# wall time (s); for soak the worst phase's admitted p99 (ms), the 2× phases' p99 (ms) and their mean
+# goodput ÷ capacity.
 set -euo pipefail
 rev=${1:?usage: bash loadtests/overload_ab.sh REV [ROUNDS]}
 rounds=${2:-2}
+section=${SECTION:-overload}
 py=${PYTHON:-.venv/bin/python}
-out=${OUT:-bench-out/overload-ab}
+out=${OUT:-bench-out/$section-ab}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-. "$(dirname "$0")/baseline_site.sh"
-baseline_site "$rev" "$work"
+if [ "$rev" != - ]; then
+    . "$(dirname "$0")/baseline_site.sh"
+    baseline_site "$rev" "$work"
+fi
+case $section in
+    overload) args=(--infinity-bin /nonexistent)
+        echo "round code     capacity/s 2x_p99_ms 2x_goodput 2x_us/refusal 4x_p99_ms 4x_goodput 4x_us/refusal burst_failed burst_s" ;;
+    soak) args=(--soak-minutes "${SOAK_MINUTES:-10}")
+        echo "round code     capacity/s worst_p99_ms 2x_p99s_ms 2x_goodput" ;;
+    *) echo "SECTION: overload or soak" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
-echo "round code     capacity/s 2x_p99_ms 2x_goodput 2x_us/refusal 4x_p99_ms 4x_goodput 4x_us/refusal"
 for r in $(seq "$rounds"); do
     for code in current baseline; do
-        env=()
-        [ "$code" = current ] || env=(env "PYTHONPATH=$work/site${PYTHONPATH:+:$PYTHONPATH}")
+        env=(env)
+        if [ "$code" = current ]; then
+            env+=(${CURRENT_ENV:-})
+        else
+            env+=(${BASELINE_ENV:-})
+            [ "$rev" = - ] || env+=("PYTHONPATH=$work/site${PYTHONPATH:+:$PYTHONPATH}")
+        fi
         cp BENCHMARKS.md "$out/$code$r.md"
-        "${env[@]}" "$py" -m coalesce.loadtests.bench --only overload --file "$out/$code$r.md" \
-            --out "$out/$code$r" --infinity-bin /nonexistent > "$out/$code$r.log" 2>&1
-        # The capacity probe's figure, then the open-loop table's 2× and 4× rows: p99, ÷ capacity, µs/refusal.
+        "${env[@]}" "$py" -m coalesce.loadtests.bench --only "$section" --file "$out/$code$r.md" \
+            --out "$out/$code$r" "${args[@]}" > "$out/$code$r.log" 2>&1
+        if [ "$section" = soak ]; then
+            # The probe, the worst phase's p99, then each 2× phase's p99 and their mean achieved ÷ probe.
+            figures=$(awk -F'|' '
+                /Capacity = closed-loop/ { match($0, /\*\*[0-9.,]+ req\/s\*\*/); cap = substr($0, RSTART + 2, RLENGTH - 10) }
+                /worst phase/ { split($4, w, " "); worst = w[1]; gsub(/,/, "", worst) }
+                $2 ~ /^ soak [0-9]+ / && NF > 10 && ++k % 2 == 0 {
+                    p = $6; gsub(/[ ,]/, "", p); a = $4; gsub(/[ ,]/, "", a); p99s = p99s (p99s ? "," : "") p; sum += a; n++ }
+                END { c = cap; gsub(/,/, "", c); printf "%s %s %s %.2f\n", cap, worst, p99s, n && c ? sum / n / c : 0 }' \
+                "$out/$code$r.log")
+            printf '%-5s %-8s %s\n' "$r" "$code" "$figures"
+            continue
+        fi
+        # The capacity probe's figure, the open-loop table's 2× and 4× rows (p99, ÷ capacity, µs/refusal: thousands'
+        # commas dropped), then the burst's failed calls and wall time.
         figures=$(awk -F'|' '
             /Capacity \(closed loop/ { match($0, /\*\*[0-9.,]+ req\/s\*\*/); cap = substr($0, RSTART + 2, RLENGTH - 10) }
-            $2 ~ /^ (2|4)× $/ && NF > 12 { gsub(/ /, "", $5); gsub(/ /, "", $7); gsub(/ /, "", $12); row = row " " $7 " " $5 " " $12 }
-            END { print cap row }' "$out/$code$r.log")
+            $2 ~ /^ (2|4)× $/ && NF > 12 { gsub(/ /, "", $5); gsub(/[ ,]/, "", $7); gsub(/[ ,]/, "", $12); row = row " " $7 " " $5 " " $12 }
+            $2 ~ /^ coalesce $/ && $3 ~ / of / { split($3, f, " "); w = $4; gsub(/ /, "", w); burst = " " f[1] " " w }
+            END { print cap row burst }' "$out/$code$r.log")
         printf '%-5s %-8s %s\n' "$r" "$code" "$figures"
     done
 done
