@@ -2,8 +2,7 @@
 
 ``DeviceThread`` is that thread (shared by every model on the device, so models take turns rather than
 contend). ``ModelWorker`` adds, per model, a CPU thread that pads the next batch while the current one
-runs. Callers on the event loop await coroutines; the threads never touch asyncio state. On the CPU,
-:class:`SparedCore` sets how many threads the device thread's forwards use.
+runs. Callers on the event loop await coroutines; the threads never touch asyncio state.
 
 Each of these threads is a :class:`Lane`: one thread that runs what it is handed, in order. Handing work
 to a thread is paid on the event loop for every batch (and, in the gateway, for every turn's
@@ -20,7 +19,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
@@ -171,57 +170,15 @@ def _settle(fut: asyncio.Future[BatchOutput], outcome: BatchOutput | Exception) 
         fut.set_result(outcome)
 
 
-class SparedCore:
-    """How many threads a forward on the CPU runs on: all it was given (``full``), or one fewer while
-    any model asks for a core to be spared for the event loop (:meth:`spare`).
-
-    The forward shares the cores with the event loop, which under a sustained overload spends half a
-    core or more refusing it, and with anything else on the machine. A parallel region waits for its
-    slowest thread, and a thread the kernel has descheduled for the loop is slow: on two cores, at 4×
-    capacity, the slowest 1% of admitted requests rode forwards of 208–353 ms against means of 120–156,
-    and goodput fell from 2× to 4×; on one thread the same steps' tail forwards were 120–126 ms against
-    means of 107–109, and goodput held flat (BENCHMARKS.md: the session of 2026-12-04 23:39 UTC, its
-    one-thread runs). One thread is no default: with the cores to itself a forward on two serves 1.6× as
-    much. So the count follows what the loop is doing: the engine asks for a core while a model's
-    queue stands as a confirmed overload (:attr:`.Scheduler.on_overload` in the service), and gives it
-    back when the overload ends.
-
-    :meth:`spare` runs on the event loop; :meth:`apply` on the device thread before each forward
-    (torch's intra-op count is the calling thread's setting, so it is set where forwards run)."""
-
-    def __init__(self, full: int, set_threads: Callable[[int], None]) -> None:
-        self.full = full
-        self._set = set_threads
-        self._asking: set[Hashable] = set()
-        self.wanted = self.applied = full
-
-    def spare(self, who: Hashable, on: bool) -> None:
-        """``who`` (a model) asks for a core to be spared (``on``), or no longer; event loop."""
-        if on:
-            self._asking.add(who)
-        else:
-            self._asking.discard(who)
-        self.wanted = self.full - 1 if self._asking and self.full > 1 else self.full
-
-    def apply(self) -> None:
-        """Run the next forward on :attr:`wanted` threads; device thread, before each forward."""
-        wanted = self.wanted
-        if wanted != self.applied:
-            self._set(wanted)
-            self.applied = wanted
-
-
 class DeviceThread:
     """The single thread that owns a device: every forward, finish and warm-up runs here.
 
     ``after_batch``, when given, is called on this thread after every batch's forward (it must be quick:
-    the next batch waits for it); the engine passes the allocator's trimmer here. ``threads``, when set
-    (a CPU device whose forwards run in torch), is applied before every batch's forward."""
+    the next batch waits for it); the engine passes the allocator's trimmer here."""
 
     def __init__(self, name: str = "device", after_batch: Callable[[], None] | None = None) -> None:
         self._pool = Lane(f"coalesce-{name}")
         self.after_batch = after_batch
-        self.threads: SparedCore | None = None
 
     @property
     def executor(self) -> Lane:
@@ -289,8 +246,6 @@ class ModelWorker:
 
     def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float]:
         # Device thread only.
-        if self._device.threads is not None:
-            self._device.threads.apply()
         t0 = time.perf_counter()
         if kind is OutputKind.TOKENS:
             if not self.runner.info.token_embeddings:

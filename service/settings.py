@@ -230,15 +230,6 @@ class Settings:
         "plain forward's (else logged and off). --no-cpu-fast-forward turns it off.",
         default=True,
     )
-    cpu_spare_core: bool = _knob(
-        "On the CPU, while a model's queue stands as a confirmed overload (the event loop refusing the "
-        "excess at the door, half a core or more), run torch forwards on one thread fewer than they "
-        "have, and on all of them again once it ends: a forward's parallel region waits for its "
-        "slowest thread, and a thread the loop's refusals deschedule made forwards run up to twice as "
-        "long at random (BENCHMARKS.md, overload). Only where forwards run on two threads or more; "
-        "ONNX Runtime and OpenVINO keep their pools. --no-cpu-spare-core keeps the count fixed.",
-        default=True,
-    )
     cpu_kernel_cache: int = _knob(
         "Batch shapes the CPU libraries keep compiled kernels for: each of oneDNN's two caches under "
         "torch (its primitive cache and PyTorch's computation cache; one entry per operation and shape, "

@@ -155,9 +155,6 @@ class Scheduler:
         )
         self.regime = self.admission.regime
         self.regime.listener = self._tier
-        # Called with whether the queue stands as a confirmed overload, whenever the regime changes: the
-        # engine spares the event loop a core of the CPU forward's meanwhile (``worker.SparedCore``).
-        self.on_overload: Callable[[bool], None] | None = None
 
     @property
     def queued_tokens(self) -> int:
@@ -356,14 +353,11 @@ class Scheduler:
     def _tier(self) -> None:
         """The regime changed (:meth:`.overload.Regime.observe` calls this): while the queue stands and
         is not yet confirmed an overload, what joins it goes before what waits, which was admitted as a
-        burst (:meth:`.fair.FairQueue.split_off`); otherwise one fair order. :attr:`on_overload` hears
-        whether it is a confirmed overload."""
+        burst (:meth:`.fair.FairQueue.split_off`); otherwise one fair order."""
         if self.admission.on and self.regime.standing and not self.regime.overload:
             self._queue.split_off()
         else:
             self._queue.fold()
-        if self.on_overload is not None:
-            self.on_overload(self.regime.overload)
 
     def _query_first(self, window: list[Entry]) -> tuple[list[Entry], bool]:
         """``window`` (anchored by a bulk input) with the first query of the anchor's tenant and class

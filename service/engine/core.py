@@ -11,8 +11,6 @@ taken from there, warmed up and with its cost-model seeds measured, instead.
 from __future__ import annotations
 
 import asyncio
-import functools
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
-from coalesce.kernels.worker import DeviceThread, ModelWorker, SparedCore
+from coalesce.kernels.worker import DeviceThread, ModelWorker
 
 from ..allocator import Trimmer
 from ..batching.batcher import Batcher
@@ -66,22 +64,6 @@ class Engine:
         self.models: list[EngineModel] = []
         self._closed = False
 
-    def _spared_core(self, runner: Runner) -> SparedCore | None:
-        """The device thread's :class:`SparedCore` (made on first use) when ``runner``'s forward runs in
-        torch on the CPU on two threads or more and ``--cpu-spare-core`` is on; else None (a GPU's
-        forward does not run on these cores, and the torch-free runners size their own pools)."""
-        torch = sys.modules.get("torch")
-        device = runner.device
-        if not self._settings.cpu_spare_core or torch is None or not isinstance(device, torch.device) \
-                or device.type != "cpu":
-            return None
-        if self.device.threads is None:
-            full = torch.get_num_threads()
-            if full < 2:
-                return None
-            self.device.threads = SparedCore(full, torch.set_num_threads)
-        return self.device.threads
-
     async def load(self) -> None:
         """Load, warm and calibrate every model, then start its batcher. Raises if any model fails."""
         loop = asyncio.get_running_loop()
@@ -111,9 +93,6 @@ class Engine:
             scheduler = Scheduler(
                 scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
             )
-            spared = self._spared_core(runner)
-            if spared is not None:  # (a confirmed overload's refusals take the loop a core: spare it one)
-                scheduler.on_overload = functools.partial(spared.spare, len(self.models))
             batcher = Batcher(
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
                 device=str(runner.device), shape=getattr(runner, "padded_shape", None),

@@ -16,7 +16,6 @@ from coalesce.service.batching.fair import Entry
 from coalesce.service.batching.overload import Regime, RetryPacer
 from coalesce.service.batching.scheduler import Dispatch, Scheduler, Wait
 
-from . import sim
 from .sim import Arrival, Result, poisson, simulate
 from .test_scheduler import CAPACITY, TARGET, TOKENS, A, B, adaptive, own_flows
 
@@ -684,32 +683,3 @@ def test_retry_after_spreads_the_refused_at_the_model_s_rate_and_stays_bounded()
     spread = RetryPacer()
     hints = [spread.after(0.0, 0.0, 0.04) for _ in range(1000)]
     assert len(set(hints)) == 1000 and hints[-1] == pytest.approx(50.0)
-
-
-def _heard(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """What the simulated schedulers tell the engine of a confirmed overload, in order."""
-    heard: list[bool] = []
-
-    class Heard(Scheduler):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)  # type: ignore[arg-type]
-            self.on_overload = heard.append
-
-    monkeypatch.setattr(sim, "Scheduler", Heard)
-    return heard
-
-
-def test_the_engine_hears_of_a_sustained_overload_and_of_its_end_but_not_of_a_burst(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The engine spares the event loop a core of the CPU forward while the queue stands as a confirmed
-    # overload (``worker.SparedCore``): told when one begins, and when it ends, or the forward would stay
-    # a thread short after it; never for a burst, which the model should serve at full speed.
-    heard = _heard(monkeypatch)
-    burst = own_flows([Arrival(i * 0.0002, TOKENS) for i in range(1000)])
-    assert simulate(shedding(), burst, A, B).completed == 1000
-    assert True not in heard
-    heard.clear()
-    arrivals = own_flows(poisson(2.0 * CAPACITY, 6.0, random.Random(3), tokens=TOKENS))
-    simulate(shedding(), arrivals, A, B)
-    assert True in heard and heard[-1] is False, heard

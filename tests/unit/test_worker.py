@@ -5,13 +5,12 @@ or on it; and batches run in the order they were handed over."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from coalesce.kernels.protocol import OutputKind
-from coalesce.kernels.worker import BatchOutput, DeviceThread, ModelWorker, SparedCore
+from coalesce.kernels.worker import BatchOutput, DeviceThread, ModelWorker
 
 from ..fakes import FakeRunner
 
@@ -53,39 +52,3 @@ async def test_rows_and_failures_come_back_to_the_loop_in_order(overlap: bool) -
     finally:
         worker.close()
         device.close()
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-async def test_a_spared_core_is_set_on_the_device_thread_before_the_next_forward(overlap: bool) -> None:
-    # Torch's intra-op thread count is the calling thread's: it must be set where forwards run, and only
-    # when what is asked for changes (a call per batch would cost every batch).
-    applied: list[tuple[int, str]] = []
-    spared = SparedCore(4, lambda n: applied.append((n, threading.current_thread().name)))
-    device = DeviceThread("test")
-    device.threads = spared
-    worker = ModelWorker(FakeRunner(), device, overlap=overlap)
-    try:
-        await worker.run([[1, 5, 2]])
-        assert applied == []  # all four: nothing to change
-        spared.spare("a", True)
-        spared.spare("b", True)  # two models ask: still one core spared
-        await worker.run([[1, 5, 2]])
-        await worker.run([[1, 6, 2]])
-        assert applied == [(3, "coalesce-test")]
-        spared.spare("a", False)  # b still asks
-        await worker.run([[1, 7, 2]])
-        assert applied == [(3, "coalesce-test")]
-        spared.spare("b", False)  # nobody asks: every thread again
-        await worker.run([[1, 8, 2]])
-        assert applied == [(3, "coalesce-test"), (4, "coalesce-test")]
-    finally:
-        worker.close()
-        device.close()
-
-
-def test_a_forward_on_one_thread_has_no_core_to_spare() -> None:
-    applied: list[int] = []
-    spared = SparedCore(1, applied.append)
-    spared.spare("a", True)
-    spared.apply()
-    assert spared.wanted == 1 and applied == []
