@@ -345,7 +345,9 @@ class Settings:
         "overload, not a burst's moment), what was admitted as a burst and can no longer start within "
         "the bound is answered 429 late, and a burst that stops arriving has its backlog served in "
         "order. Within eight intervals of "
-        "standing, a queue that grows old again stands at once (the overload goes on).",
+        "standing, a queue that grows old again stands at once (the overload goes on). Measured "
+        "(BENCHMARKS.md, 2026-12-05): 250 brought the soak's worst 2x phase from 725 to 582 ms and the "
+        "2x step's p99 lower, but cost the 4x step goodput in every run.",
         default=500.0,
     )
     request_timeout_ms: float = _knob(
