@@ -344,8 +344,8 @@ class Settings:
         "admits go before that backlog, so they keep the bound; once it has stood one interval more (an "
         "overload, not a burst's moment), what was admitted as a burst and can no longer start within "
         "the bound is answered 429 late, and a burst that stops arriving has its backlog served in "
-        "order. Within eight intervals of "
-        "standing, a queue that grows old again stands at once (the overload goes on). Measured "
+        "order. Within eight intervals of standing, a queue that grows old again stands at once (the "
+        "overload goes on). Measured "
         "(BENCHMARKS.md, 2026-12-05): 250 brought the soak's worst 2x phase from 725 to 582 ms and the "
         "2x step's p99 lower, but cost the 4x step goodput in every run.",
         default=500.0,
