@@ -353,7 +353,14 @@ class RemoteModel(ServedModel):
         if adm.tenant != DEFAULT_TENANT or cfg.max_queue_wait_s <= 0 or not queue.waits:
             return
         now = time.monotonic()
-        wait = max(0.0, queue.waits[min(max(adm.priority, 0), 2)] - age)
+        wait = queue.waits[min(max(adm.priority, 0), 2)]
+        if not queue.standing:
+            # A queue that keeps emptying has drained by the report's age since (a burst's backlog).
+            # A standing one has not: arrivals refill it as fast as the model drains it, and the
+            # engine admits up to its bound meanwhile, so the wait it reported is the wait now.
+            # (Taking the age off there passed nearly every head at the gateway, each a request whose
+            # body was read and tokenised for the engine to refuse.)
+            wait = max(0.0, wait - age)
         if wait <= 0:
             return
         own = queue.overhead_s + queue.per_token_s * first
