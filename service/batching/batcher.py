@@ -54,7 +54,8 @@ class Engine(Protocol):
 
 
 class RequestResult(msgspec.Struct, eq=False):
-    """What one request's caller gets: its rows, inputs in order, and the timings of its batches.
+    """What one request's caller gets: its rows (float32, C-contiguous), inputs in order, and the
+    timings of its batches.
 
     Pooled: one row per input. Tokens: each input's ``len(ids)`` rows, one after the other (the caller
     knows its inputs' lengths, so it splits them). Read-only by convention. A msgspec Struct: one is built
@@ -85,6 +86,9 @@ class Submission(msgspec.Struct, eq=False):
     kind: OutputKind = OutputKind.POOLED
     arrived: float | None = None  # when its head arrived (time.monotonic()); None: now
     link: bytes | None = None
+    # A plain query's one sequence as int32 bytes, when the sender has them at hand (the engine, from
+    # the gateway's frame: ``messages.unpack_submit``), so its ``input_key`` is not packed again; b"": none.
+    raw: bytes = b""
 
 
 class Ticket(msgspec.Struct, eq=False):
@@ -218,6 +222,8 @@ class _Wake:
 _KINDS = {OutputKind.POOLED: 0, OutputKind.TOKENS: 1}
 # The head of an unmarked sequence's key, by kind: (kind, b_start -1, pool_start 0, not raw).
 _PLAIN_HEADS = {kind: array("i", (code, -1, 0, 0)).tobytes() for kind, code in _KINDS.items()}
+_PLAIN_POOLED = _PLAIN_HEADS[OutputKind.POOLED]
+_F32 = np.dtype(np.float32)
 
 
 def input_key(ids: Sequence[int], kind: OutputKind = OutputKind.POOLED) -> bytes:
@@ -451,10 +457,14 @@ class Batcher:
         added: list[tuple[list[Entry], int]] = []
         counts = [0, 0, 0]
         by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
+        last = len(by_class) - 1
+        pooled, join_one = OutputKind.POOLED, self._join_one
         for r, f in zip(requests, replies, strict=True):
-            arrived = _arrival(r, now)
-            if len(r.seqs) == 1 and r.kind is OutputKind.POOLED:
-                job, entries = self._join_one(r, arrived, f, counts)
+            arrived = r.arrived
+            if arrived is None or arrived > now:  # (_arrival, inline: once per request)
+                arrived = now
+            if len(r.seqs) == 1 and r.kind is pooled:
+                job, entries = join_one(r, arrived, f, counts)
             else:
                 hits, shared, fresh = self._sort(r)
                 job, entries = self._join(r, arrived, f, hits, shared, fresh, counts)
@@ -462,7 +472,8 @@ class Batcher:
                 added.append((entries, len(r.seqs)))
                 # (no generator for the common one-input request: the engine's lock under load, 2026-12-04)
                 tokens = entries[0].n_tokens if len(entries) == 1 else sum(e.n_tokens for e in entries)
-                by_class[min(max(r.priority, 0), len(by_class) - 1)] += tokens
+                p = r.priority
+                by_class[p if 0 <= p <= last else (0 if p < 0 else last)] += tokens
             out.append(job)
         self._count(counts)
         if added:
@@ -543,14 +554,17 @@ class Batcher:
         common query), in one call with no lists or dicts between them: the same ticket, entries and
         counts (``tests/unit/test_bulk_admission.py`` holds the two paths to one outcome)."""
         ids = r.seqs[0]
-        key = input_key(ids)
+        key = _PLAIN_POOLED + r.raw if r.raw else input_key(ids)
         job = Ticket(reply, r.tag, 1, 1, 1, link=r.link)
         found = self._found(key, r.priority)
         if found is None or isinstance(found, _Work):
             if self._cache is not None:
                 counts[1] += 1  # a cache miss
-            if found is None:
-                return job, [self._new_work(r, ids, key, [(job, 0)], arrived, job)]
+            if found is None:  # (new work: _new_work, inline)
+                work = self._inflight[key] = _Work(ids, key, [(job, 0)], r.deadline, r.priority)
+                entry = work.entry = Entry(len(ids), arrived, r.tenant, r.weight, r.priority, r.deadline,
+                                           work, job, r.kind)
+                return job, [entry]
             counts[2] += 1
             self._share(found, job, 0, r.deadline)
             return job, []
@@ -732,6 +746,8 @@ class Batcher:
         else:
             seconds = out.forward_s
             rows, cache, inflight = out.rows, self._cache, self._inflight
+            if rows.dtype != _F32 or not rows.flags.c_contiguous:  # (once a batch, for every answer)
+                rows = np.ascontiguousarray(rows, dtype=np.float32)
             at = 0
             for e, size in zip(batch, sizes, strict=True):
                 work = e.payload

@@ -196,31 +196,23 @@ class FairQueue:
     # -- in ------------------------------------------------------------------------------------------
     def add(self, entries: Iterable[Entry]) -> None:
         split = self.split
+        # The tenant and class of the entry before: consecutive entries of the same tenant, weight and
+        # class (a message's queries, a request's inputs) skip their lookup and joining, which only
+        # the first of them can need (the level is active, with this weight, from then on).
+        # The tenant's and the queue's counts are brought up to date when the group ends (the class's
+        # stay live: a newcomer's credit reads them).
+        t: _Tenant | None = None
+        c: _Class | None = None
+        tenant, weight, p = "", 0.0, -1
+        items = tokens = 0  # the group's, not yet counted in its tenant and the queue
         for e in entries:
-            t = self.tenants.get(e.tenant)
-            if t is None:
-                if len(self.tenants) >= IDLE_TENANTS_KEPT:
-                    self._forget_idle_tenants()
-                t = self.tenants[e.tenant] = self._new_tenant(e.tenant)
-            if t.items == 0:
-                t.weight = e.weight
-                t.vtime = self._clock
-                if self._active:
-                    floor = min(x.vtime for x in self._active.values())
-                    t.vtime = max(floor, self._clock - e.n_tokens / t.weight)
-                t.seq = next(self._seq)
-                self._active[t.name] = t
-                self._active_weight += t.weight
-            elif e.weight != t.weight:
-                self._active_weight += e.weight - t.weight
-                t.weight = e.weight
-            p = e.priority
-            c = t.classes[p if 0 <= p <= 2 else (0 if p < 0 else 2)]
-            if c.items == 0:
-                c.vtime = t.clock
-                if t.items:
-                    floor = min(x.vtime for x in t.classes if x.items)
-                    c.vtime = max(floor, t.clock - e.n_tokens / c.weight)
+            n = e.n_tokens
+            if t is None or c is None or e.tenant != tenant or e.priority != p or e.weight != weight:
+                if t is not None:
+                    self._count(t, items, tokens)
+                    items = tokens = 0
+                tenant, weight, p = e.tenant, e.weight, e.priority
+                t, c = self._join(e)
             f = c.flows.get(e.flow)
             if f is None:
                 order = c.fresh if split else c.order
@@ -228,7 +220,7 @@ class FairQueue:
                 # "Joining" above. ``order`` is non-empty, so the class has inputs waiting.)
                 start = max(order[0][0], c.clock - c.tokens / c.items) if order else c.clock
                 f = c.flows[e.flow] = _Flow(e.flow, next(self._seq), c, start, deque((e,)), fresh=split)
-                key = f.order_key = (start, start + e.n_tokens, f.seq, f)
+                key = f.order_key = (start, start + n, f.seq, f)
                 if not order or order[-1] < key:
                     order.append(key)  # the usual place: one-input flows join in arrival order
                 else:
@@ -240,14 +232,49 @@ class FairQueue:
                 f.items += 1
             if split and f.fresh:  # (a flow is fresh only while the queue is split)
                 c.fresh_items += 1
-                c.fresh_tokens += e.n_tokens
+                c.fresh_tokens += n
             e._flow = f
             c.items += 1
-            c.tokens += e.n_tokens
-            t.items += 1
-            t.queued_tokens += e.n_tokens
-            self.items += 1
-            self.tokens += e.n_tokens
+            c.tokens += n
+            items += 1
+            tokens += n
+        if t is not None:
+            self._count(t, items, tokens)
+
+    def _count(self, t: _Tenant, items: int, tokens: int) -> None:
+        t.items += items
+        t.queued_tokens += tokens
+        self.items += items
+        self.tokens += tokens
+
+    def _join(self, e: Entry) -> tuple[_Tenant, _Class]:
+        """The tenant and class ``e`` is queued in, each joining its level (see "Joining") if it had
+        nothing waiting, and the tenant's weight made ``e``'s."""
+        t = self.tenants.get(e.tenant)
+        if t is None:
+            if len(self.tenants) >= IDLE_TENANTS_KEPT:
+                self._forget_idle_tenants()
+            t = self.tenants[e.tenant] = self._new_tenant(e.tenant)
+        if t.items == 0:
+            t.weight = e.weight
+            t.vtime = self._clock
+            if self._active:
+                floor = min(x.vtime for x in self._active.values())
+                t.vtime = max(floor, self._clock - e.n_tokens / t.weight)
+            t.seq = next(self._seq)
+            self._active[t.name] = t
+            self._active_weight += t.weight
+        elif e.weight != t.weight:
+            self._active_weight += e.weight - t.weight
+            t.weight = e.weight
+        p = e.priority
+        c = t.classes[p if 0 <= p <= 2 else (0 if p < 0 else 2)]
+        if c.items == 0:
+            c.vtime = t.clock
+            if t.items:
+                floor = min(x.vtime for x in t.classes if x.items)
+                c.vtime = max(floor, t.clock - e.n_tokens / c.weight)
+        return t, c
 
     def _new_tenant(self, name: str) -> _Tenant:
         t = _Tenant(name)

@@ -92,6 +92,11 @@ class Regime:
         may go on: the queue is good only between two refusals of it)."""
         return self.standing or now - self._ended < intervals * self.interval_s
 
+    def recent_until(self, intervals: float = MEMORY) -> float:
+        """The time before which :meth:`recent` holds, as things stand (inf while the queue stands): a
+        bound to compare many times against, for the price of one call."""
+        return math.inf if self.standing else self._ended + intervals * self.interval_s
+
     def confirmed(self, now: float) -> bool:
         """Whether the queue has stood for :attr:`CONFIRM` whole intervals: an overload, not the
         standing moment of a burst that is still arriving (a starved client takes seconds to send a

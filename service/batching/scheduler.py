@@ -225,7 +225,7 @@ class Scheduler:
     def add_many(self, requests: Sequence[tuple[list[Entry], int]]) -> None:
         """Queue the admitted entries of several requests at once, in order: each request's entries
         and its size, as :meth:`add` takes them. The same queue as adding them one by one."""
-        STRICT, recent = self.regime.STRICT, self.regime.recent
+        strict_until = self.regime.recent_until(self.regime.STRICT)  # (Regime.recent, once for all)
         every: list[Entry] = []
         for entries, inputs in requests:
             if not entries:
@@ -235,7 +235,7 @@ class Scheduler:
                     e.bulk = True
             lead = entries[0]
             lead.lead = True
-            lead.strict = recent(lead.arrival, STRICT)
+            lead.strict = lead.arrival < strict_until
             every += entries
         self._queue.add(every)
         self.regime.add(every)

@@ -178,25 +178,42 @@ def split_frame(sizes: Sequence[int], frame: Any, itemsize: int = 4) -> list[mem
 
 
 def unpack_submit(
-    msg: Submit, frame: Any, infos: Sequence[ModelInfo]
+    msg: Submit, frame: Any, infos: Sequence[ModelInfo], raws: list[bytes] | None = None
 ) -> list[list[list[int]] | ProtocolError]:
     """Each job's sequences from the message's frame, checked against its model's facts (``infos``, by
     index), or why that job breaks the protocol (the others stand). Raises :class:`ProtocolError` when
-    the sizes do not account for the frame: then nothing in it can be trusted.
+    the sizes do not account for the frame: then nothing in it can be trusted. ``raws``, if given, gets
+    one entry per job: for a plain query (one unmarked sequence, pooled output) its ids as the frame
+    holds them (int32 bytes, what ``batcher.input_key`` would pack them into again), else ``b""``.
 
     The frame becomes Python ints once per message, not once per job: a job of a few dozen ids then
     costs slices and Python's min and max, which beat numpy's fixed microsecond or two per call there;
-    only a job of many ids has its vocabulary checked by numpy."""
+    only a job of many ids has its vocabulary checked by numpy. A plain query is checked inline (no
+    call): what nearly every job of a loaded replica is."""
     sizes = msg.sizes
     data = np.frombuffer(frame, dtype=np.int32)
-    if len(sizes) != len(msg.jobs) or any(size < 0 for size in sizes) or sum(sizes) != data.size:
+    if len(sizes) != len(msg.jobs) or (sizes and min(sizes) < 0) or sum(sizes) != data.size:
         raise ProtocolError(f"{len(sizes)} sizes for {len(msg.jobs)} jobs, {sum(sizes)} ids in a frame of "
                             f"{data.nbytes} bytes")
     values = data.tolist()
+    raw = data.tobytes() if raws is not None else b""
+    models = len(infos)
     out: list[list[list[int]] | ProtocolError] = []
     at = 0
     for job, size in zip(msg.jobs, sizes, strict=True):
         end = at + size
+        if job.n == 1 and not job.marked and not job.tokens and 1 < size <= _NUMPY_FROM \
+                and 0 <= job.model < models:
+            info = infos[job.model]
+            flat = values[at + 1 : end]
+            if values[at] == size - 1 <= info.max_tokens and min(flat) >= 0 and max(flat) < info.vocab_size:
+                out.append([flat])
+                if raws is not None:
+                    raws.append(raw[4 * at + 4 : 4 * end])
+                at = end
+                continue
+        if raws is not None:
+            raws.append(b"")
         try:
             if not 0 <= job.model < len(infos):
                 raise ProtocolError(f"job {job.id}: no model {job.model}")

@@ -23,8 +23,7 @@ import time
 from collections.abc import Hashable
 from typing import Any, cast
 
-import numpy as np
-from coalesce.kernels.protocol import OutputKind
+from coalesce.kernels.protocol import ModelInfo, OutputKind
 
 from .. import tracing
 from ..allocator import freeze_startup_heap
@@ -128,6 +127,7 @@ class GatewayLink:
         self._link = Link(f"gateway-{index}", self._on_message, on_down=self._on_lost)
         self._jobs: dict[int, tuple[Batcher, Ticket]] = {}  # admitted, not answered yet
         self._offers: list[wire.ModelOffer] | None = None
+        self._infos: list[ModelInfo] = []
         self._error: str | None = None
         self._greeted = False  # the gateway said Hello
         self._done: list[wire.Done] = []
@@ -142,6 +142,7 @@ class GatewayLink:
     def welcome(self, offers: list[wire.ModelOffer] | None, error: str | None = None) -> None:
         """The models are loaded (``offers``), or failed to (``error``): tell the gateway once it is here."""
         self._offers, self._error = offers, error
+        self._infos = [o.info for o in offers or []]  # (what each Submit is checked against)
         if self._greeted:
             self._send_welcome()
 
@@ -183,16 +184,16 @@ class GatewayLink:
                 self._fail(job.id, Unavailable("The models are still loading; retry shortly.", retry_after=2,
                                                code="loading"))
             return
-        models = self._engine.models
+        raws: list[bytes] = []
         try:
-            unpacked = wire.unpack_submit(msg, frames[0], [m.info for m in models])
+            unpacked = wire.unpack_submit(msg, frames[0], self._infos, raws)
         except wire.ProtocolError as exc:
             self._refuse(str(exc))
             return
         # Each model's batcher takes its requests of this turn's messages at once, every gateway's
         # together (admission judges them together where it can: Turn, Batcher.enqueue_many).
         by_model: dict[int, list[Submission]] = {}
-        for job, seqs in zip(msg.jobs, unpacked, strict=True):
+        for job, seqs, raw in zip(msg.jobs, unpacked, raws, strict=True):
             if isinstance(seqs, wire.ProtocolError):
                 self._malformed(job.id, seqs)
                 continue
@@ -204,7 +205,7 @@ class GatewayLink:
                     self._malformed(job.id, exc)
                     continue
             request = Submission(seqs, job.id, job.tenant, job.weight, job.priority, job.deadline,
-                                 _TOKENS if job.tokens else _POOLED, job.arrived or None, link)
+                                 _TOKENS if job.tokens else _POOLED, job.arrived or None, link, raw)
             requests = by_model.get(job.model)
             if requests is None:
                 by_model[job.model] = [request]
@@ -227,19 +228,20 @@ class GatewayLink:
 
     # -- outgoing ------------------------------------------------------------------------------------
     def reply(self, job_id: Hashable, outcome: RequestResult | CoalesceError) -> None:
-        """A batcher's answer to one job (never to one withdrawn): into this turn's message."""
-        assert isinstance(job_id, int)
-        self._jobs.pop(job_id, None)
+        """A batcher's answer to one job (never to one withdrawn): into this turn's message. Its rows
+        are float32 and C-contiguous (``RequestResult``'s promise: the batcher makes a batch's so)."""
+        job: int = job_id  # type: ignore[assignment]  # (its tags are job ids; no cast() call per answer)
+        self._jobs.pop(job, None)
         if not isinstance(outcome, RequestResult):
-            self._fail(job_id, outcome)
+            self._fail(job, outcome)
             return
         rows = outcome.rows
-        if rows.dtype != np.float32 or not rows.flags.c_contiguous:
-            rows = np.ascontiguousarray(rows, dtype=np.float32)
-        self._done.append(wire.Done(job_id, rows.shape[0], rows.shape[1], outcome.queue_s, outcome.forward_s,
-                                    outcome.batches))
+        n, dim = rows.shape
+        self._done.append(wire.Done(job, n, dim, outcome.queue_s, outcome.forward_s, outcome.batches))
         self._frames.append(rows)
-        self._schedule_flush()
+        if not self._flushing:  # (_schedule_flush, inline: once per answer)
+            self._flushing = True
+            self._turn.reply_later(self)
 
     def _fail(self, job_id: int, err: CoalesceError) -> None:
         self._failed.append(wire.Failed(job_id, wire.failure(err)))

@@ -372,3 +372,29 @@ async def test_a_bug_in_a_step_answers_what_waits_and_refuses_what_comes_after(
     with pytest.raises(Unavailable):
         await asyncio.wait_for(rig.embed("comes after"), 10)
     assert rig.runner.batches == []
+
+
+class WideRunner(FakeRunner):
+    """A runner whose rows come back float64 and column-major (a backend of another precision)."""
+
+    def finish(self, output: list[list[int]], prepared: list[list[int]]) -> np.ndarray:
+        return np.asfortranarray(super().finish(output, prepared).astype(np.float64))
+
+
+async def test_every_answer_holds_float32_rows_in_order_whatever_the_runner_returns() -> None:
+    # The rows travel to a gateway as raw float32 bytes (the engine's reply frame): a runner's float64
+    # or column-major rows are made float32 and contiguous once for the batch, not per answer.
+    r = Rig(WideRunner(), cache=ResultCache(1 << 20))
+    try:
+        texts = [f"text {i}" for i in range(6)]
+        submit = r.batcher.submit
+        results = await asyncio.gather(submit(r.seqs(*texts[:4])), submit(r.seqs(texts[4])),
+                                       submit(r.seqs(texts[5])))
+        cached = await r.batcher.submit(r.seqs(texts[4]))  # a cache hit
+        for result in [*results, cached]:
+            assert result.rows.dtype == np.float32 and result.rows.flags.c_contiguous
+        np.testing.assert_allclose(results[0].rows, [r.runner.expected(t) for t in texts[:4]], rtol=1e-6)
+        np.testing.assert_allclose(results[1].rows[0], r.runner.expected(texts[4]), rtol=1e-6)
+        np.testing.assert_allclose(cached.rows[0], r.runner.expected(texts[4]), rtol=1e-6)
+    finally:
+        await r.aclose()

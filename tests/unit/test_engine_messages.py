@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from coalesce.kernels.protocol import MarkedIds, ModelInfo, PairIds, PromptIds, Task, WindowIds, is_raw, marks
+from coalesce.kernels.protocol import (
+    MarkedIds,
+    ModelInfo,
+    OutputKind,
+    PairIds,
+    PromptIds,
+    Task,
+    WindowIds,
+    is_raw,
+    marks,
+)
+from coalesce.service.batching.batcher import _PLAIN_POOLED, input_key
 from coalesce.service.engine import messages as wire
 from coalesce.service.errors import DeadlineExceeded, InvalidRequest, Overloaded, Unavailable
 
@@ -142,3 +153,19 @@ def test_a_refusal_crosses_as_the_same_error(err: Exception) -> None:
 def test_a_job_for_a_model_that_cannot_serve_it_is_refused(job: wire.Job, why: str) -> None:
     with pytest.raises(wire.ProtocolError, match=why):
         unpack_job(job, np.array([2, 1, 2], dtype=np.int32).tobytes())
+
+
+def test_a_plain_querys_ids_come_with_their_bytes_and_its_cache_key_is_the_one_process_key() -> None:
+    # The engine keys a plain query (cache, dedup) on the frame's bytes rather than packing its ids
+    # again: the key must be the one `--workers 1` computes from the ids, or a cached row would be
+    # missed (or, worse, another input's found) across the two paths.
+    jobs = [[[1, 5, 2]], [PairIds([1, 5, 2, 6, 2], 3)], [[1, 2], [1, 9, 9, 2]], [[1, 99, 0, 2]], [[1, 200]]]
+    packed = [wire.pack_job(seqs) for seqs in jobs]
+    msg = wire.Submit([_job(len(seqs), marked) for seqs, (marked, _) in zip(jobs, packed, strict=True)],
+                      [len(frame) // 4 for _, frame in packed])
+    msg.jobs[3] = wire.Job(8, 0, 1, False, "t", 1.0, 1, 0.0, tokens=True)  # every token's vector
+    raws: list[bytes] = []
+    got = wire.unpack_submit(msg, b"".join(frame for _, frame in packed), [INFO], raws)
+    assert isinstance(got[4], wire.ProtocolError)  # 200: past the vocabulary, fast path or not
+    assert got[0] == [[1, 5, 2]] and raws[0] and raws[1:] == [b"", b"", b"", b""]
+    assert _PLAIN_POOLED + raws[0] == input_key([1, 5, 2], OutputKind.POOLED)

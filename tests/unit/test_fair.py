@@ -249,3 +249,34 @@ def test_a_split_queue_emptied_and_folded_holds_no_memory() -> None:
     assert q.items == 0 and q.tokens == 0 and not list(q.waiting())
     classes = [c for t in q.tenants.values() for c in t.classes]
     assert all(not c.flows and not c.order and not c.fresh and not c.fresh_items for c in classes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adding_inputs_together_queues_them_as_adding_them_one_at_a_time(seed: int) -> None:
+    # The engine adds a turn's inputs in one call, which looks a tenant and class up once for a run of
+    # inputs that share them: the queue must be the one that adding each input alone would build —
+    # runs that switch tenant, class or weight midway, and a tenant that comes back later in the call.
+    def arrivals() -> list[list[Entry]]:
+        rng = random.Random(seed)
+        calls = []
+        for i in range(60):
+            calls.append([
+                Entry(rng.randint(4, 64), float(i), tenant=rng.choice(["default", "default", "a", "b"]),
+                      weight=rng.choice([1.0, 1.0, 2.0]), priority=rng.choice([1, 1, 0, 2]),
+                      payload=(i, k), flow=(i, k) if rng.random() < 0.7 else rng.choice([None, i]))
+                for k in range(rng.choice([1, 1, 4, 12]))
+            ])
+        return calls
+
+    together, alone = FairQueue(WEIGHTS), FairQueue(WEIGHTS)
+    for i, (call, same) in enumerate(zip(arrivals(), arrivals(), strict=True)):
+        together.add(call)
+        for e in same:
+            alone.add([e])
+        assert (together.items, together.tokens) == (alone.items, alone.tokens)
+        assert together.tenant_queued_tokens() == alone.tenant_queued_tokens()
+        assert [e.payload for e in together.window(40)] == [e.payload for e in alone.window(40)]
+        if i % 5 == 4:
+            together.take(together.window(16), charge=True)
+            alone.take(alone.window(16), charge=True)
+    assert [e.payload for e in together.window(2000)] == [e.payload for e in alone.window(2000)]
