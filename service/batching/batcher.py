@@ -729,7 +729,7 @@ class Batcher:
             if isinstance(out, Exception):
                 raise out
             # The rows each input gets: one (pooled), or one per token.
-            sizes = [len(e.payload.ids) if kind is OutputKind.TOKENS else 1 for e in batch]
+            sizes = [len(e.payload.ids) for e in batch] if kind is OutputKind.TOKENS else [1] * len(batch)
             if out.rows.shape[0] != sum(sizes):
                 raise RuntimeError(f"the runner returned {out.rows.shape[0]} rows for {sum(sizes)}")
         except Exception as exc:  # the runner's failure reaches exactly this batch
@@ -748,15 +748,20 @@ class Batcher:
             rows, cache, inflight = out.rows, self._cache, self._inflight
             if rows.dtype != _F32 or not rows.flags.c_contiguous:  # (once a batch, for every answer)
                 rows = np.ascontiguousarray(rows, dtype=np.float32)
-            at = 0
+            at, model = 0, self.model
             for e, size in zip(batch, sizes, strict=True):
                 work = e.payload
                 block = rows[at : at + size]
                 at += size
                 inflight.pop(work.key, None)
-                work.put(block, start - e.arrival, seconds)
+                waiters = work.waiters
+                if len(waiters) == 1:  # (_Work.put, inline: the input of one request)
+                    job, index = waiters[0]
+                    job.put(index, block, start - e.arrival, seconds)
+                else:
+                    work.put(block, start - e.arrival, seconds)
                 if cache is not None:
-                    cache.put(self.model, work.key, block, len(work.key))
+                    cache.put(model, work.key, block, len(work.key))
             if cache is not None:
                 self._metrics.cache_bytes.set(cache.bytes)
             self._record(batch, padded, start, out)

@@ -21,13 +21,13 @@ import asyncio
 import signal
 import time
 from collections.abc import Hashable
-from typing import Any, cast
+from typing import Any
 
 from coalesce.kernels.protocol import ModelInfo, OutputKind
 
 from .. import tracing
 from ..allocator import freeze_startup_heap
-from ..batching.batcher import Batcher, RequestResult, Submission, Ticket
+from ..batching.batcher import Batcher, Reply, RequestResult, Submission, Ticket
 from ..batching.scheduler import Scheduler
 from ..errors import CoalesceError, Unavailable
 from ..logs import get_logger
@@ -62,19 +62,23 @@ class Turn:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._pending: dict[int, tuple[list[Submission], list[GatewayLink]]] = {}
+        # Per model: the turn's requests, the link each came from and its reply (a bound method made once
+        # per message, not per request).
+        self._pending: dict[int, tuple[list[Submission], list[GatewayLink], list[Reply]]] = {}
         self._admitting = False
         self._replying: list[GatewayLink] = []
         self._captured_at = 0.0
 
     def add(self, model: int, requests: list[Submission], link: GatewayLink) -> None:
         """``link``'s requests for model ``model``, in order, to admit at the end of the turn."""
+        n = len(requests)
         if model in self._pending:
-            waiting, links = self._pending[model]
+            waiting, links, replies = self._pending[model]
             waiting += requests
-            links += [link] * len(requests)
+            links += [link] * n
+            replies += [link.reply] * n
         else:
-            self._pending[model] = (requests, [link] * len(requests))
+            self._pending[model] = (requests, [link] * n, [link.reply] * n)
         if not self._admitting:
             self._admitting = True
             asyncio.get_running_loop().call_soon(self.admit)
@@ -86,17 +90,20 @@ class Turn:
             return
         pending, self._pending = self._pending, {}
         models = self._engine.models
-        for index, (requests, links) in pending.items():
+        for index, (requests, links, replies) in pending.items():
             batcher = models[index].batcher
             try:
-                outcomes: list[Ticket | CoalesceError] = batcher.enqueue_many(
-                    requests, [link.reply for link in links])
+                outcomes: list[Ticket | CoalesceError] = batcher.enqueue_many(requests, replies)
             except Exception as exc:  # a bug: the turn's callers hear of it rather than wait forever
                 log.exception("admission_failed", model=models[index].info.name)
                 outcomes = [CoalesceError(f"Admission failed: {type(exc).__name__}", code="internal_error")
                             ] * len(requests)
             for request, link, outcome in zip(requests, links, outcomes, strict=True):
-                link.admitted(cast(int, request.tag), batcher, outcome)
+                job: int = request.tag  # type: ignore[assignment]  # (the gateways' job ids)
+                if isinstance(outcome, CoalesceError):
+                    link._fail(job, outcome)
+                elif not outcome.done:  # (every input cached: answered already)
+                    link._jobs[job] = (batcher, outcome)  # in flight: what a Cancel or its loss withdraws
 
     def reply_later(self, link: GatewayLink) -> None:
         """``link`` has answers to send: at the end of this turn, with every other gateway's."""
@@ -214,13 +221,6 @@ class GatewayLink:
         turn = self._turn
         for index, requests in by_model.items():
             turn.add(index, requests, self)
-
-    def admitted(self, job_id: int, batcher: Batcher, outcome: Ticket | CoalesceError) -> None:
-        """What the turn's admission made of one of this gateway's jobs."""
-        if isinstance(outcome, CoalesceError):
-            self._fail(job_id, outcome)
-        elif not outcome.done:  # (every input cached: answered already)
-            self._jobs[job_id] = (batcher, outcome)
 
     def _malformed(self, job_id: int, exc: wire.ProtocolError) -> None:
         log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
