@@ -40,6 +40,7 @@ Buffer = bytes | bytearray | memoryview
 MAX_FRAMES = 64
 MAX_MESSAGE_BYTES = 1 << 31
 _COUNT = struct.Struct("<I")
+_HEADS: dict[int, struct.Struct] = {}  # a message's head (frame count, lengths) by its frame count
 # How often a gateway tries again while the engine's socket is not there yet (it starts alongside).
 _RETRY_S = (0.01, 0.2)  # first, longest
 
@@ -152,8 +153,12 @@ class Link:
                 return True
             log.error("link_send_failed", link=self.name, error="no peer connected")
             return False
-        sizes = [memoryview(p).nbytes for p in parts]
-        peer.transport.writelines([struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes), *parts])
+        n = len(parts)
+        head = _HEADS.get(n)
+        if head is None:
+            head = _HEADS[n] = struct.Struct(f"<I{n}I")
+        sizes = [len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts]
+        peer.transport.writelines([head.pack(n, *sizes), *parts])
         return True
 
     @property
