@@ -61,6 +61,19 @@ class _Waiting(Protocol):
     taken: bool
 
 
+# Taken inputs kept behind an older one still waiting (in admission order, or in deadline order) are
+# dropped from the record once they outnumber the waiting ones by this much: an input that waits long
+# (a bulk request served at its fair share) must not keep every input admitted after it, answered long
+# since, and with it each one's request and rows, for as long as it waits.
+_COMPACT_SLACK = 1024
+
+
+def compact_by(waiting: int) -> int:
+    """The length past which a record of ``waiting`` inputs still waiting (and taken ones behind them)
+    is compacted: twice what waits, and some, so compacting costs O(1) per input added over time."""
+    return 2 * waiting + _COMPACT_SLACK
+
+
 class Regime:
     """Good (the queue keeps emptying) or standing (it has not for a whole interval)."""
 
@@ -112,8 +125,13 @@ class Regime:
         return self.standing and (self.confirmed(now)
                                   or now - self._overload_ended < self.MEMORY * self.interval_s)
 
-    def add(self, entries: Iterable[_Waiting]) -> None:
+    def add(self, entries: Iterable[_Waiting], waiting: int | None = None) -> None:
+        """Queued inputs, in admission order. ``waiting``: how many inputs wait in the queue now; taken
+        ones behind an older one still waiting are kept only until they outnumber those (see
+        :func:`compact_by`)."""
         self._waiting.extend(entries)
+        if waiting is not None and len(self._waiting) > compact_by(waiting):
+            self._waiting = deque(e for e in self._waiting if not e.taken)
 
     def asked(self, tokens: int, now: float) -> None:
         """A request of ``tokens`` tokens arrived (whether admitted or refused)."""

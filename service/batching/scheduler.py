@@ -46,7 +46,7 @@ from typing import Literal, NamedTuple
 from .admit import AdmissionConfig, Admitter, Refusal
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
-from .overload import ARRIVAL_WINDOW_S
+from .overload import ARRIVAL_WINDOW_S, compact_by
 from .policy import Limits, PaddedCost, form_batch, window_size
 
 __all__ = [
@@ -238,11 +238,17 @@ class Scheduler:
             lead.strict = lead.arrival < strict_until
             every += entries
         self._queue.add(every)
-        self.regime.add(every)
+        waiting = self._queue.items
+        self.regime.add(every, waiting)
         deadlines, seq = self._deadlines, self._seq
         for e in every:
             if e.deadline is not None:
                 heapq.heappush(deadlines, (e.deadline, next(seq), e))
+        if len(deadlines) > compact_by(waiting):
+            # Taken entries leave the heap lazily, once at its top: behind an early deadline still
+            # waiting they would pile up (and keep their requests and rows) for as long as it waits.
+            self._deadlines = [d for d in deadlines if not d[2].taken and d[2].deadline == d[0]]
+            heapq.heapify(self._deadlines)
 
     # -- dispatch ------------------------------------------------------------------------------------
     @property

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import weakref
 from dataclasses import replace
 
 import pytest
 from coalesce.service.batching.cost import CostModel
+from coalesce.service.batching.overload import compact_by
 from coalesce.service.batching.policy import Limits
 from coalesce.service.batching.scheduler import Dispatch, Entry, Scheduler, SchedulerConfig, Wait
 
@@ -419,3 +422,26 @@ def test_a_query_behind_a_bulk_request_is_not_refused_as_unmeetable() -> None:
     assert s.admit([16], "default", 0.5, 0.0) is None  # one query, half a second
     refusal = s.admit([16] * 2048, "default", 0.5, 0.0)
     assert refusal is not None and refusal.reason == "deadline_unmeetable"
+
+
+def test_inputs_answered_behind_one_that_still_waits_are_not_kept_for_as_long_as_it_waits() -> None:
+    # An input that waits long (a bulk request served at its fair share, with the earliest deadline
+    # and the oldest admission) must not keep every input taken out after it — and with each one its
+    # request and rows, the batcher's payload — until it is served: memory would grow with the traffic
+    # of its whole wait (up to the request timeout) behind every long bulk request.
+    class Payload:
+        pass
+
+    s = Scheduler(adaptive(), CostModel(), lambda n, m: n * m)
+    s.add([Entry(TOKENS, 0.0, deadline=1e6, payload=Payload(), flow="bulk")])
+    refs = []
+    for i in range(5000):
+        payload = Payload()
+        refs.append(weakref.ref(payload))
+        s.add([Entry(TOKENS, 1.0 + i * 1e-3, deadline=2e6 + i, payload=payload, flow=i)])
+        del payload
+        assert len(s.remove(lambda e, i=i: e.flow == i)) == 1  # (what a batch or a withdrawal does)
+    gc.collect()
+    kept = sum(ref() is not None for ref in refs)
+    assert kept <= compact_by(1), f"{kept} of 5000 taken inputs still referenced"
+    assert s.regime.head_age(10.0) == 10.0  # the old input is still the oldest waiting
