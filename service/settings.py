@@ -350,13 +350,6 @@ class Settings:
         "2x step's p99 lower, but cost the 4x step goodput in every run.",
         default=500.0,
     )
-    queue_stand_ms: float | None = _knob(
-        "How long the oldest input must stay older than --queue-target-ms before the queue stands, "
-        "when that should be shorter than --queue-interval-ms, which then still paces the rest: "
-        "confirming an overload, and how long a queue that stood is remembered. Shorter admits less of "
-        "a sustained overload's onset as a burst. Default: --queue-interval-ms.",
-        default=None,
-    )
     request_timeout_ms: float = _knob(
         "Default and cap of a request's deadline (X-Request-Timeout, ms). Requests past it, or that the "
         "cost model says cannot make it, are answered 504/503 and never computed.",
@@ -693,9 +686,8 @@ def _validate(s: Settings) -> None:
         problems.append("target_latency_ms and request_timeout_ms must be > 0")
     if s.max_queue_wait_ms is not None and s.max_queue_wait_ms < 0:
         problems.append("max_queue_wait_ms must be >= 0")
-    if s.burst_wait_ms < 0 or s.queue_interval_ms < 0 or (s.queue_target_ms or 0) < 0 \
-            or (s.queue_stand_ms or 0) < 0:
-        problems.append("burst_wait_ms, queue_target_ms, queue_interval_ms and queue_stand_ms must be >= 0")
+    if s.burst_wait_ms < 0 or s.queue_interval_ms < 0 or (s.queue_target_ms or 0) < 0:
+        problems.append("burst_wait_ms, queue_target_ms and queue_interval_ms must be >= 0")
     if s.interactive_batch_ms < 0:
         problems.append("interactive_batch_ms must be >= 0")
     if s.priority_ratio < 1:

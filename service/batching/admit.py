@@ -100,7 +100,7 @@ class Admitter:
         self._held: deque[list[float]] = deque()
         self._held_tokens = [0.0] * len(PRIORITIES)  # held tokens by priority class
         self._held_inputs = [0.0] * len(PRIORITIES)  # and the inputs they are
-        self.regime = Regime(config.queue_target_s, config.queue_interval_s, config.queue_stand_s)
+        self.regime = Regime(config.queue_target_s, config.queue_interval_s)
         self.regime.capacity = self.capacity()  # and again at each admission, as the cost model learns
         self._pacer = RetryPacer()
 
@@ -529,4 +529,3 @@ class AdmissionConfig:
     burst_wait_s: float
     queue_target_s: float
     queue_interval_s: float
-    queue_stand_s: float | None = None

@@ -81,12 +81,9 @@ class Regime:
     STRICT = 2  # intervals after standing ends during which what is admitted is held to its bound
     CONFIRM = 1  # intervals a queue must stand on before what a burst put in it is held to the bound too
 
-    def __init__(self, target_s: float, interval_s: float, stand_s: float | None = None) -> None:
+    def __init__(self, target_s: float, interval_s: float) -> None:
         self.target_s = target_s
         self.interval_s = interval_s
-        # How long the head must stay older than the target before the queue stands (the interval
-        # unless shorter is asked for); confirming and remembering a standing queue go by the interval.
-        self.stand_s = interval_s if stand_s is None else stand_s
         self.standing = False
         self._above_since: float | None = None  # when the oldest waiting input was first seen too old
         self._ended = -math.inf  # when it last stopped standing
@@ -177,7 +174,7 @@ class Regime:
             # so stand again at once rather than admit another interval's burst (RFC 8289 resumes its
             # dropping state the same way).
             self.standing = self.recent(now)
-        elif now - self._above_since >= self.stand_s:
+        elif now - self._above_since >= self.interval_s:
             self.standing = True
         if self.standing and self.arrivals(now) < self.capacity * (LEAVE_BELOW if was else 1.0):
             # Arrivals have fallen below what the model serves: what stands is a burst draining.

@@ -100,14 +100,12 @@ class SchedulerConfig:
     # queue_interval_s (CoDel's target and interval); it is good again as soon as it is not.
     queue_target_s: float = 0.125
     queue_interval_s: float = 0.5
-    queue_stand_s: float | None = None  # how long before it stands, if not queue_interval_s
 
     def admission(self) -> AdmissionConfig:
         """The knobs admission reads (:mod:`.admit`)."""
         return AdmissionConfig(
             self.limits.max_batch_size, self.max_queued_tokens, self.tenant_max_queued_tokens,
             self.max_queue_wait_s, self.burst_wait_s, self.queue_target_s, self.queue_interval_s,
-            self.queue_stand_s,
         )
 
 

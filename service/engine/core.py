@@ -188,7 +188,6 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
         queue_target_s=(settings.queue_target_ms if settings.queue_target_ms is not None
                         else settings.target_latency_ms / 4) / 1e3,
         queue_interval_s=settings.queue_interval_ms / 1e3,
-        queue_stand_s=None if settings.queue_stand_ms is None else settings.queue_stand_ms / 1e3,
     )
 
 

@@ -411,28 +411,6 @@ def test_a_standing_queue_is_confirmed_an_overload_after_a_whole_interval() -> N
     assert regime.observe(1.85) and not regime.confirmed(1.85)  # standing again at once: counted afresh
 
 
-def test_a_shorter_stand_time_stands_sooner_and_confirms_and_remembers_by_the_interval() -> None:
-    # --queue-stand-ms: the queue stands once its head has been old that long, while confirming an
-    # overload and remembering one still go by --queue-interval-ms.
-    regime = Regime(target_s=0.1, interval_s=0.5, stand_s=0.25)
-    regime.capacity = 1000.0
-    regime.add([Entry(16, 0.0)])
-    assert not regime.observe(0.2)  # old since 0.2
-    regime.asked(1000, 0.4)
-    assert not regime.observe(0.44)  # 0.24 s old: not yet
-    assert regime.observe(0.46) and not regime.confirmed(0.46)  # 0.26 s: it stands, unconfirmed
-    regime.asked(1000, 0.9)
-    assert not regime.confirmed(0.95)  # a whole interval (0.5 s) after standing, not a stand time
-    assert regime.observe(0.97) and regime.confirmed(0.97)
-    assert regime.recent_until(Regime.MEMORY) == float("inf")
-    default = Regime(target_s=0.1, interval_s=0.5)
-    default.capacity = 1000.0
-    default.add([Entry(16, 0.0)])
-    default.observe(0.2)
-    default.asked(1000, 0.4)
-    assert not default.observe(0.46) and default.stand_s == 0.5  # unset: the interval, as before
-
-
 @pytest.mark.parametrize("arrivals_go_on", [True, False], ids=["overload", "burst"])
 def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(arrivals_go_on: bool) -> None:
     # Two hundred one-input requests admitted as a burst, then the queue stands (not yet confirmed an
