@@ -460,9 +460,7 @@ class Batcher:
         last = len(by_class) - 1
         pooled, join_one = OutputKind.POOLED, self._join_one
         for r, f in zip(requests, replies, strict=True):
-            arrived = r.arrived
-            if arrived is None or arrived > now:  # (_arrival, inline: once per request)
-                arrived = now
+            arrived = _arrival(r, now)
             if len(r.seqs) == 1 and r.kind is pooled:
                 job, entries = join_one(r, arrived, f, counts)
             else:
@@ -560,11 +558,8 @@ class Batcher:
         if found is None or isinstance(found, _Work):
             if self._cache is not None:
                 counts[1] += 1  # a cache miss
-            if found is None:  # (new work: _new_work, inline)
-                work = self._inflight[key] = _Work(ids, key, [(job, 0)], r.deadline, r.priority)
-                entry = work.entry = Entry(len(ids), arrived, r.tenant, r.weight, r.priority, r.deadline,
-                                           work, job, r.kind)
-                return job, [entry]
+            if found is None:
+                return job, [self._new_work(r, ids, key, [(job, 0)], arrived, job)]
             counts[2] += 1
             self._share(found, job, 0, r.deadline)
             return job, []
@@ -754,12 +749,7 @@ class Batcher:
                 block = rows[at : at + size]
                 at += size
                 inflight.pop(work.key, None)
-                waiters = work.waiters
-                if len(waiters) == 1:  # (_Work.put, inline: the input of one request)
-                    job, index = waiters[0]
-                    job.put(index, block, start - e.arrival, seconds)
-                else:
-                    work.put(block, start - e.arrival, seconds)
+                work.put(block, start - e.arrival, seconds)
                 if cache is not None:
                     cache.put(model, work.key, block, len(work.key))
             if cache is not None:

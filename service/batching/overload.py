@@ -103,7 +103,7 @@ class Regime:
     def recent(self, now: float, intervals: float = MEMORY) -> bool:
         """Whether the queue stands, or stood within the last ``intervals`` intervals (the overload
         may go on: the queue is good only between two refusals of it)."""
-        return self.standing or now - self._ended < intervals * self.interval_s
+        return now < self.recent_until(intervals)
 
     def recent_until(self, intervals: float = MEMORY) -> float:
         """The time before which :meth:`recent` holds, as things stand (inf while the queue stands): a

@@ -188,8 +188,7 @@ def unpack_submit(
 
     The frame becomes Python ints once per message, not once per job: a job of a few dozen ids then
     costs slices and Python's min and max, which beat numpy's fixed microsecond or two per call there;
-    only a job of many ids has its vocabulary checked by numpy. A plain query is checked inline (no
-    call): what nearly every job of a loaded replica is."""
+    only a job of many ids has its vocabulary checked by numpy."""
     sizes = msg.sizes
     data = np.frombuffer(frame, dtype=np.int32)
     if len(sizes) != len(msg.jobs) or (sizes and min(sizes) < 0) or sum(sizes) != data.size:
@@ -202,24 +201,17 @@ def unpack_submit(
     at = 0
     for job, size in zip(msg.jobs, sizes, strict=True):
         end = at + size
-        if job.n == 1 and not job.marked and not job.tokens and 1 < size <= _NUMPY_FROM \
-                and 0 <= job.model < models:
-            info = infos[job.model]
-            flat = values[at + 1 : end]
-            if values[at] == size - 1 <= info.max_tokens and min(flat) >= 0 and max(flat) < info.vocab_size:
-                out.append([flat])
-                if raws is not None:
-                    raws.append(raw[4 * at + 4 : 4 * end])
-                at = end
-                continue
-        if raws is not None:
-            raws.append(b"")
+        plain = b""
         try:
-            if not 0 <= job.model < len(infos):
+            if not 0 <= job.model < models:
                 raise ProtocolError(f"job {job.id}: no model {job.model}")
             out.append(_unpack(job, values, data, at, end, infos[job.model]))
+            if raws is not None and job.n == 1 and not job.marked and not job.tokens:
+                plain = raw[4 * at + 4 : 4 * end]  # (past its one length)
         except ProtocolError as exc:
             out.append(exc)
+        if raws is not None:
+            raws.append(plain)
         at = end
     return out
 

@@ -99,11 +99,7 @@ class Turn:
                 outcomes = [CoalesceError(f"Admission failed: {type(exc).__name__}", code="internal_error")
                             ] * len(requests)
             for request, link, outcome in zip(requests, links, outcomes, strict=True):
-                job: int = request.tag  # type: ignore[assignment]  # (the gateways' job ids)
-                if isinstance(outcome, CoalesceError):
-                    link._fail(job, outcome)
-                elif not outcome.done:  # (every input cached: answered already)
-                    link._jobs[job] = (batcher, outcome)  # in flight: what a Cancel or its loss withdraws
+                link.admitted(request.tag, batcher, outcome)
 
     def reply_later(self, link: GatewayLink) -> None:
         """``link`` has answers to send: at the end of this turn, with every other gateway's."""
@@ -222,6 +218,14 @@ class GatewayLink:
         for index, requests in by_model.items():
             turn.add(index, requests, self)
 
+    def admitted(self, job_id: Hashable, batcher: Batcher, outcome: Ticket | CoalesceError) -> None:
+        """What the turn's admission made of one of this gateway's jobs (``job_id``: its tag)."""
+        job: int = job_id  # type: ignore[assignment]  # (the engine's tags are job ids; no cast() call)
+        if isinstance(outcome, CoalesceError):
+            self._fail(job, outcome)
+        elif not outcome.done:  # (every input cached: answered already)
+            self._jobs[job] = (batcher, outcome)
+
     def _malformed(self, job_id: int, exc: wire.ProtocolError) -> None:
         log.warning("gateway_job_refused", gateway=self.index, reason=str(exc))
         self._fail(job_id, CoalesceError(f"The gateway sent a malformed job: {exc}", code="protocol_error"))
@@ -239,9 +243,7 @@ class GatewayLink:
         n, dim = rows.shape
         self._done.append(wire.Done(job, n, dim, outcome.queue_s, outcome.forward_s, outcome.batches))
         self._frames.append(rows)
-        if not self._flushing:  # (_schedule_flush, inline: once per answer)
-            self._flushing = True
-            self._turn.reply_later(self)
+        self._schedule_flush()
 
     def _fail(self, job_id: int, err: CoalesceError) -> None:
         self._failed.append(wire.Failed(job_id, wire.failure(err)))

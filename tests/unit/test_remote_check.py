@@ -50,9 +50,10 @@ def rig() -> Iterator[tuple[Reporting, RemoteModel]]:
     model.close()
 
 
-def head(arrived_ago: float = 0.0) -> Admission:
+def head() -> Admission:
+    """A request whose head has just arrived."""
     now = time.monotonic()
-    return Admission("default", 1.0, 1, 30.0, now + 30.0, now - arrived_ago)
+    return Admission("default", 1.0, 1, 30.0, now + 30.0, now)
 
 
 def queue(standing: bool, wait: float) -> wire.Queue:
