@@ -81,6 +81,7 @@ class ModelSeries:
     cost_overhead: Gauge
     cost_per_token: Gauge
     cost_spread: Gauge
+    cost_run_spread: Gauge
     batch_size: Histogram
     batch_tokens: Histogram
     padding_ratio: Histogram
@@ -186,6 +187,12 @@ class Metrics:
             "coalesce_cost_spread",
             "How far the slow forwards run past the typical one (95th percentile over median of measured "
             "over fitted seconds, >= 1): a standing queue promises by a forward this much slower.", ["model"],
+            multiprocess_mode="livemax", registry=r
+        )
+        self.cost_run_spread = Gauge(
+            "coalesce_cost_run_spread",
+            "The same, of three forwards in a row (1 to the spread): a standing queue promises its wait, the "
+            "batches ahead, by a run this much slower.", ["model"],
             multiprocess_mode="livemax", registry=r
         )
         # Batches.

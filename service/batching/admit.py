@@ -220,7 +220,7 @@ class Admitter:
         per_input = coef.per_token_s * padding * high
         size = max(1, min(size, int((limit - coef.overhead_s) / max(per_input, 1e-9))))
         wait = (self._busy_s(now) + math.ceil(ahead / low / size) * coef.overhead_s
-                + ahead * padding * coef.per_token_s) * self.drain_pace  # (≥ 1: either regime's)
+                + ahead * padding * coef.per_token_s) * self.drain_pace * self._cost.run_spread  # (≥ _pace())
         if self.on:
             n = min(cfg.max_batch_size, queue.items + inputs + 1)
             full = self._cost.predict(self._padded_cost(n, math.ceil(high)))
@@ -465,12 +465,13 @@ class Admitter:
     def _pace(self) -> float:
         """What a predicted wait is scaled by: the drain pace under a confirmed overload (a queue that
         has stood a whole interval more: :attr:`.overload.Regime.overload`, as of its last observation),
-        else 1. Not under a queue that stands only for a moment: a burst still arriving stands while it
-        does, and its callers, paced back by Retry-After into that queue, met a bound tightened by the
-        pace with little slack left (one thousand-call burst lost 54 calls after their retries when the
-        pace applied to any standing queue: 2975dd4). A burst's bound is generous and its wait no
-        promise; an overload's promise is what the pace keeps."""
-        return self.drain_pace if self.regime.overload else 1.0
+        at the slow end of a few forwards in a row (the cost model's run spread: a wait is the batches
+        ahead), else 1. Not under a queue that stands only for a moment: a burst still arriving stands
+        while it does, and its callers, paced back by Retry-After into that queue, met a bound tightened
+        by the pace with little slack left (one thousand-call burst lost 54 calls after their retries
+        when the pace applied to any standing queue: 2975dd4). A burst's bound is generous and its wait
+        no promise; an overload's promise is what the pace keeps."""
+        return self.drain_pace * self._cost.run_spread if self.regime.overload else 1.0
 
     def _ride(self) -> float:
         """What a predicted forward of the batch a request rides in is scaled by: under a confirmed

@@ -767,6 +767,7 @@ class Batcher:
                 m.cost_overhead.set(coef.overhead_s)
                 m.cost_per_token.set(coef.per_token_s)
                 m.cost_spread.set(self.scheduler.cost.spread)
+                m.cost_run_spread.set(self.scheduler.cost.run_spread)
             self._wake.set()
 
     def _batch_span(self, tracer: tracing.Tracer, batch: list[Entry], padded: int, start: float) -> Any:

@@ -37,6 +37,18 @@ machines' batches spreads as neither does). Admission under a confirmed overload
 request rides in at it (``admit.Admitter._ride``). A lasting slowdown is not spread: it moves every
 batch alike, which is the pace's to follow and the fit's to learn.
 
+**The run spread.** A request's wait in a standing queue is the forwards of the few batches ahead of
+it, and a sum of forwards runs past its median prediction too, if less far than one forward. A wait
+predicted at the median was broken by every slow run of batches, and the requests admitted on it
+waited to the bound (the soak's 2× phases: logged in a scratch run, so no figures here). What slows a
+forward on a shared machine (the event loop refusing a flood, another program) often lasts longer than
+one batch, and then a run is as slow as its batches. So each refit also measures
+:attr:`CostModel.run_spread`: the same quantile over the median, of the seconds of :data:`RUN_SPAN`
+batches in a row (in the order they ran) against their fitted seconds, with the spread's noise floor
+and hold, and never above the spread. Admission under a confirmed overload counts a standing queue's
+wait at it (``admit.Admitter._pace``). Slow forwards that come alone leave it well below the spread (a
+run averages a slow one with its neighbours); in spells it nears the spread.
+
 **The same inputs give the same coefficients on every machine, to the last bit.** Scheduling compares
 predicted times (a batch against ``--interactive-batch-ms``, a run's rate against another's), and some
 of those comparisons can land exactly on a boundary; if the fit went through BLAS (``x @ x``), its
@@ -53,7 +65,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import accumulate, compress, repeat
 from operator import add, mul, sub, truediv
 
 # The pace: the median of this many batches' measured ÷ fitted seconds, within these bounds (a broken
@@ -72,6 +84,8 @@ SPREAD_QUANTILE = 0.95
 SPREAD_AFTER = 16
 SPREAD_BOUNDS = (1.0, 3.0)
 SPREAD_HOLD = 0.9
+# The run spread (see the module's docstring): the same, of the seconds of RUN_SPAN batches in a row.
+RUN_SPAN = 3
 # A spread within this is the forwards' everyday noise, which admission's door already leaves a tenth of
 # slack for (``admit.DOOR``): it counts as none. (Counted, ±5% noise shortened a slowed machine's batches
 # and promises enough to fail the simulator's goodput bound for it, 0.9× of what it serves.)
@@ -104,6 +118,7 @@ class CostModel:
         self.observations = 0
         self.restarts = 0  # times the fit started again from the recent batches (a lasting change)
         self.spread = 1.0  # how far past the typical forward the slow ones run (the module's docstring)
+        self.run_spread = 1.0  # and RUN_SPAN forwards in a row
 
     def observe(self, padded_tokens: int, seconds: float) -> None:
         if seconds <= 0 or padded_tokens <= 0:
@@ -130,7 +145,7 @@ class CostModel:
                 self._y = [t for _, t in self._recent]
                 self._next = len(self._x) % self._window
                 self.restarts += 1
-                self.spread = 1.0  # (what the old and new machine's batches spread is neither's)
+                self.spread = self.run_spread = 1.0  # (the old and new machine's batches spread as neither)
                 self._refit()
                 ratios = self._ratios()
             lo, hi = PACE_BOUNDS
@@ -174,10 +189,25 @@ class CostModel:
         if len(x) >= SPREAD_AFTER and 1 / PACE_SHIFT < self.pace < PACE_SHIFT:
             # (fitted seconds > 0: a ≥ 0, b > 0 and every x > 0, as observe() keeps)
             a, b = self.fit.overhead_s, self.fit.per_token_s
-            ratios = sorted(map(truediv, y, map(add, repeat(a), map(mul, repeat(b), x))))
-            lo, hi = SPREAD_BOUNDS
-            tail = ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))] / ratios[len(ratios) // 2]
-            self.spread = min(max(tail if tail > SPREAD_NOISE else 1.0, self.spread * SPREAD_HOLD, lo), hi)
+            fitted = list(map(add, repeat(a), map(mul, repeat(b), x)))
+            ratios = sorted(map(truediv, y, fitted))
+            median = ratios[len(ratios) // 2]
+            self.spread = _spread(ratios, median, self.spread, SPREAD_BOUNDS[1])
+            # Runs in the order the batches ran: the ring from its oldest point (``_next``; 0 until full).
+            start = self._next
+            ran = list(accumulate(y[start:] + y[:start], initial=0.0))
+            due = list(accumulate(fitted[start:] + fitted[:start], initial=0.0))
+            runs = sorted(map(truediv, map(sub, ran[RUN_SPAN:], ran[:-RUN_SPAN]),
+                              map(sub, due[RUN_SPAN:], due[:-RUN_SPAN])))
+            self.run_spread = _spread(runs, median, self.run_spread, self.spread)
+
+
+def _spread(ratios: list[float], median: float, was: float, most: float) -> float:
+    """The spread of ascending measured ÷ fitted ``ratios`` over the ``median`` single one: their
+    SPREAD_QUANTILE-th over it, 1 within SPREAD_NOISE, falling from ``was`` by at most SPREAD_HOLD's
+    complement, within SPREAD_BOUNDS and at most ``most``."""
+    tail = ratios[int(SPREAD_QUANTILE * (len(ratios) - 1))] / median
+    return min(max(tail if tail > SPREAD_NOISE else 1.0, was * SPREAD_HOLD, SPREAD_BOUNDS[0]), most)
 
 
 def least_squares(x: list[float], y: list[float]) -> tuple[float, float] | None:

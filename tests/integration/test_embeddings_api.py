@@ -283,6 +283,7 @@ async def test_probes_and_request_id(server: ServerThread) -> None:
                 'coalesce_graph_batches{model="all-MiniLM-L6-v2",path="eager"}',
                 "coalesce_cost_per_token_seconds",
                 "coalesce_cost_spread",
+                "coalesce_cost_run_spread",
             ):
                 assert name in text, name
 

@@ -109,6 +109,7 @@ def simulate(
     stall: float = 1.0,
     slowdown: float = 1.0,
     spikes: tuple[float, float] = (0.0, 1.0),
+    spell: int = 1,
 ) -> Result:
     """Run ``arrivals`` through a scheduler of ``config`` against a model whose forward of ``padded``
     tokens takes ``a + b·padded`` s (±``noise``). ``stall``: each batch holds the model ``stall`` times as
@@ -117,7 +118,9 @@ def simulate(
     forward takes that many times what the warm-up measured (other programs on the cores slow the forward
     itself; the cost model is told, but was seeded fast). ``spikes``: (share, factor): that share of
     forwards, at random, take ``factor`` times as long (a forward whose thread other programs on the
-    cores preempt: the cost model is told, but a mean cannot say which batch it will be)."""
+    cores preempt: the cost model is told, but a mean cannot say which batch it will be). ``spell``: a
+    slow forward starts a spell of that many slow ones in a row (``spikes``' share kept): what takes the
+    cores from the forward (a flood being refused, another program) lasts longer than one batch."""
     rng = random.Random(seed)
     sched = Scheduler(config, CostModel(), eager_cost)
     # Seed the cost model as the server's warm-up does; a server slowed down after running a while at
@@ -126,6 +129,7 @@ def simulate(
     for n, length in seeds:
         sched.cost.observe(n * length, a + b * n * length)
     res = Result()
+    slow_left = 0  # slow forwards still to come in the spell under way
     events: list[tuple[float, int, str, object]] = []
     seq = 0
 
@@ -195,7 +199,11 @@ def simulate(
                 res.late_dispatches += sum(1 for e in batch if e.deadline is not None and e.deadline <= now)
                 padded = decision.padded_tokens
                 seconds = (a + b * padded) * (1 + rng.uniform(-noise, noise)) * slowdown
-                if spikes[0] and rng.random() < spikes[0]:  # (no draw without: other runs' noise unchanged)
+                if slow_left:
+                    slow_left -= 1
+                    seconds *= spikes[1]
+                elif spikes[0] and rng.random() < spikes[0] / spell:  # (no draw without: others' noise kept)
+                    slow_left = spell - 1
                     seconds *= spikes[1]
                 res.batch_sizes.append(len(batch))
                 push(now + seconds * stall, "done", (batch, padded, seconds))

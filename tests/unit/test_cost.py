@@ -143,6 +143,37 @@ def test_the_spread_is_how_far_the_slow_forwards_run_past_the_typical_one() -> N
     assert slowed.restarts == 1
 
 
+def test_the_run_spread_is_how_far_slow_spells_run_past_the_typical_forwards_in_a_row() -> None:
+    # About a tenth of forwards run twice as long, alone at random or in spells of four in a row (what
+    # takes the cores lasts longer than a batch): one forward is as spread either way, but three in a
+    # row — a wait of the few batches ahead — run slow together only in spells. Alone, a slow one is
+    # mostly averaged with its neighbours, and the run spread stays clearly below the spread.
+    rng = random.Random(2)
+    alone, spells = CostModel(), CostModel()
+    left = 0
+    seen: dict[str, list[float]] = {"alone": [], "alone run": [], "spells": [], "spells run": []}
+    for i in range(800):
+        t = rng.randint(16, 4096)
+        base = (0.003 + 1e-5 * t) * rng.uniform(0.95, 1.05)
+        alone.observe(t, base * (2.0 if rng.random() < 0.1 else 1.0))
+        if left:
+            left -= 1
+        elif rng.random() < 0.03:
+            left = 4
+        spells.observe(t, base * (2.0 if left else 1.0))
+        for model in (alone, spells):
+            assert 1.0 <= model.run_spread <= model.spread, i  # (a run is never more spread than one)
+        if i >= 300:
+            for name, model in (("alone", alone), ("spells", spells)):
+                seen[name].append(model.spread)
+                seen[f"{name} run"].append(model.run_spread)
+    mean = {name: sum(v) / len(v) for name, v in seen.items()}
+    assert mean["alone"] >= 1.6 and mean["spells"] >= 1.6, mean
+    assert mean["spells run"] >= 0.85 * mean["spells"], mean
+    assert mean["alone run"] <= 0.8 * mean["alone"], mean
+    assert mean["alone run"] < mean["spells run"], mean
+
+
 def test_least_squares_is_the_closed_form_with_exactly_rounded_sums_to_the_last_bit() -> None:
     # Written out as the module's docstring states it: sums about the means, every sum math.fsum, every
     # product one IEEE multiplication. However the function is written, it must agree bit for bit.
