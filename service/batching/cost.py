@@ -193,7 +193,8 @@ class CostModel:
             ratios = sorted(map(truediv, y, fitted))
             median = ratios[len(ratios) // 2]
             self.spread = _spread(ratios, median, self.spread, SPREAD_BOUNDS[1])
-            # Runs in the order the batches ran: the ring from its oldest point (``_next``; 0 until full).
+            # Runs in the order the batches ran: the ring from its oldest point (``_next`` once full; until
+            # then ``_next`` is its length, and the slices give it whole).
             start = self._next
             ran = list(accumulate(y[start:] + y[:start], initial=0.0))
             due = list(accumulate(fitted[start:] + fitted[:start], initial=0.0))
