@@ -118,9 +118,9 @@ def simulate(
     forward takes that many times what the warm-up measured (other programs on the cores slow the forward
     itself; the cost model is told, but was seeded fast). ``spikes``: (share, factor): that share of
     forwards, at random, take ``factor`` times as long (a forward whose thread other programs on the
-    cores preempt: the cost model is told, but a mean cannot say which batch it will be). ``spell``: a
-    slow forward starts a spell of that many slow ones in a row (``spikes``' share kept): what takes the
-    cores from the forward (a flood being refused, another program) lasts longer than one batch."""
+    cores preempt: the cost model is told, but a mean cannot say which batch it will be). ``spell``: they
+    come in spells of that many in a row, as often as keeps their share: what takes the cores from the
+    forward (a flood being refused, another program) lasts longer than one batch."""
     rng = random.Random(seed)
     sched = Scheduler(config, CostModel(), eager_cost)
     # Seed the cost model as the server's warm-up does; a server slowed down after running a while at
@@ -130,6 +130,9 @@ def simulate(
         sched.cost.observe(n * length, a + b * n * length)
     res = Result()
     slow_left = 0  # slow forwards still to come in the spell under way
+    # A spell starts at a batch with this chance (outside spells), so that spells of ``spell`` batches are
+    # ``spikes[0]`` of all batches: spell·q / (spell·q + 1 − q) = share.
+    starts = spikes[0] / (spell * (1 - spikes[0]) + spikes[0]) if spikes[0] else 0.0
     events: list[tuple[float, int, str, object]] = []
     seq = 0
 
@@ -202,7 +205,7 @@ def simulate(
                 if slow_left:
                     slow_left -= 1
                     seconds *= spikes[1]
-                elif spikes[0] and rng.random() < spikes[0] / spell:  # (no draw without: others' noise kept)
+                elif starts and rng.random() < starts:  # (no draw without: other runs' noise unchanged)
                     slow_left = spell - 1
                     seconds *= spikes[1]
                 res.batch_sizes.append(len(batch))

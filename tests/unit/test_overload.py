@@ -151,8 +151,9 @@ def test_a_standing_queue_s_wait_is_promised_at_the_slow_end_of_a_run_of_forward
     # them half as long again. A newcomer's wait is the batches ahead: predicted at the median forward,
     # a slow spell broke the promise of everyone admitted on it, and those who could no longer make the
     # bound were dropped late — decoded, tokenised and queued for nothing. Counted at the cost model's
-    # run spread, the promises hold: late drops are rare, the admitted p99 keeps the target with a
-    # margin, and the model is as busy. Measured from 10 s, once the spreads are learnt.
+    # run spread, the promises hold: late drops are rare and the admitted p99 keeps the target with a
+    # margin, for a few per cent of throughput (a shorter standing queue admits less). Measured from
+    # 10 s, once the spreads are learnt.
     share, factor = 0.3, 1.5
     capacity = CAPACITY / (1 + share * (factor - 1))
     arrivals = own_flows(poisson(load * CAPACITY, 30.0, random.Random(3), tokens=TOKENS))
@@ -163,7 +164,7 @@ def test_a_standing_queue_s_wait_is_promised_at_the_slow_end_of_a_run_of_forward
 
     res = run()
     assert res.pct(0.99) <= 0.95 * TARGET
-    assert res.throughput((10.0, res.end)) >= 0.95 * capacity
+    assert res.throughput((10.0, res.end)) >= 0.9 * capacity
     assert res.late_since(10.0) <= 0.002 * refused(res), (res.late_since(10.0), refused(res))
     # The wait at the drain pace alone (the median forward), as before the run spread:
     monkeypatch.setattr(admit.Admitter, "_pace",
@@ -171,6 +172,7 @@ def test_a_standing_queue_s_wait_is_promised_at_the_slow_end_of_a_run_of_forward
     blind = run()
     assert blind.late_since(10.0) > 4 * max(res.late_since(10.0), 1)
     assert blind.pct(0.99) > res.pct(0.99)
+    assert res.throughput((10.0, res.end)) >= 0.95 * blind.throughput((10.0, blind.end))
 
 
 def test_the_drain_pace_is_wall_time_between_completions_over_forwards_while_work_waits() -> None:
