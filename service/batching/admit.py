@@ -13,8 +13,9 @@ A request is refused at once — before it queues, and where the caller can, bef
   overload while the excess is refused for the price of a check (and what was admitted under that
   promise but can no longer make the whole bound is answered ``late`` when its turn comes:
   :meth:`Admitter.late`); under a confirmed overload, predictions count the time that holds the
-  model besides its forwards (the drain pace, :meth:`Admitter.drained`), and the batch a request rides
-  in at the slow end of recent forwards (the cost model's spread), since the bound is on the p99;
+  model besides its forwards (the drain pace, :meth:`Admitter.drained`), the wait ahead at the slow
+  end of a few forwards in a row (the cost model's run spread) and the batch a request rides in at the
+  slow end of recent forwards (its spread), since the bound is on the p99;
 * it cannot finish by its deadline (``deadline_unmeetable``).
 
 **Checked but not yet queued.** Between the check before tokenising and admission (the tokeniser's
