@@ -1,7 +1,8 @@
 """Where the engine's CPU per request goes, without sockets, HTTP or a model.
 
     python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--gateways G] [--rounds 2000] [--profile N]
-                                            [--ops] [--cache-mb MB] [--shared-metrics] [--json]
+                                            [--ops] [--cache-mb MB] [--shared-metrics] [--pipeline-depth N]
+                                            [--json]
 
 The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
 ``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
@@ -96,7 +97,7 @@ class _OpCounter:
 
 async def _engine_rounds(
     jobs: int, rounds: int, inline: bool, gateways: int = 1, cache_mb: int = 0, model_dir: str = "default",
-    probe: contextlib.AbstractContextManager[Any] | None = None,
+    probe: contextlib.AbstractContextManager[Any] | None = None, depth: int = 0,
 ) -> tuple[float, float, float]:
     """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and inputs
     computed per batch (every request's own: no two are the same input). ``probe`` (a profiler, an
@@ -109,7 +110,7 @@ async def _engine_rounds(
     from coalesce.service.metrics import Metrics
     from coalesce.service.settings import Settings, parse_model_spec
 
-    settings = Settings(models=(parse_model_spec(model_dir),), cache_mb=cache_mb,
+    settings = Settings(models=(parse_model_spec(model_dir),), cache_mb=cache_mb, pipeline_depth=depth,
                         runner_factory="coalesce.loadtests.nullmodel:factory")
     metrics = Metrics()
     engine = Engine(settings, metrics, factory)
@@ -330,7 +331,8 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
-            cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False) -> dict[str, Any]:
+            cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False, depth: int = 0
+            ) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -340,8 +342,8 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     text = ""
     for n in jobs:
         threaded, per_message, per_batch = uvloop.run(
-            _engine_rounds(n, rounds, False, gateways, cache_mb, model_dir))
-        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir))
+            _engine_rounds(n, rounds, False, gateways, cache_mb, model_dir, depth=depth))
+        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir, depth=depth))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
                      "inputs_per_batch": per_batch,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
@@ -351,14 +353,15 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
         prof = cProfile.Profile()
-        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, prof))
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, prof, depth=depth))
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
         text = out.getvalue()
     ops = None
     if count_ops:  # a run of its own too: tracing every bytecode slows it tens of times
         counter = _OpCounter()
-        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, counter))
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, counter,
+                                  depth=depth))
         requests = rounds * gateways * jobs[-1]
         ops = {"jobs": jobs[-1], "bytecodes": counter.ops / requests, "calls": counter.calls / requests,
                "top": counter.top(15, requests)}
@@ -384,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="default", metavar="PATH",
                    help="the model whose tokenizer the engine loads (its forward is skipped); "
                    "default: the embedded all-MiniLM-L6-v2")
+    p.add_argument("--pipeline-depth", type=int, default=0, metavar="N",
+                   help="the engine's --pipeline-depth (0, the default: as the service picks it, 1 on CPU; "
+                   "2 hands batches over as on a GPU: padded beside a running forward)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--ops", action="store_true",
                    help="Python bytecodes and function calls per request of the inline path at the last "
@@ -403,12 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit("--shared-metrics: prometheus_client came before its directory")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
         figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
-                          args.cache_mb, args.model, args.ops)
+                          args.cache_mb, args.model, args.ops, args.pipeline_depth)
     if args.json:
         print(json.dumps(figures))
         return 0
     if args.gateways > 1:
         print(f"{args.gateways} gateways, one message each per round, in one event-loop turn")
+    if args.pipeline_depth:
+        print(f"pipeline depth {args.pipeline_depth}")
     if args.cache_mb or args.shared_metrics:
         where = "shared (multiprocess)" if args.shared_metrics else "this process's"
         print(f"result cache {args.cache_mb} MiB; metrics {where}")

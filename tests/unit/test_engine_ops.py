@@ -13,9 +13,12 @@ import pytest
 _OWN_ENV = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
 
 
-def test_engine_ops_answers_every_request_and_reports_both_paths() -> None:
+@pytest.mark.parametrize("flags", [[], ["--pipeline-depth", "2"]], ids=["as-served-on-cpu", "pipelined"])
+def test_engine_ops_answers_every_request_and_reports_both_paths(flags: list[str]) -> None:
+    """As the engine runs on CPU, and with batches handed over as on a GPU (prepared beside a forward)."""
     out = subprocess.run(
-        [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1,3", "--rounds", "30", "--json"],
+        [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1,3", "--rounds", "30", "--json",
+         *flags],
         capture_output=True, text=True, timeout=240, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     ).stdout
     figures = json.loads(out.strip().splitlines()[-1])
