@@ -43,6 +43,7 @@ import asyncio
 import collections
 import contextlib
 import cProfile
+import gc
 import importlib.util
 import io
 import json
@@ -104,6 +105,7 @@ async def _engine_rounds(
     :class:`_OpCounter`) is entered around the measured rounds only."""
     from coalesce.kernels.worker import BatchOutput
     from coalesce.loadtests.nullmodel import factory
+    from coalesce.service.allocator import freeze_startup_heap
     from coalesce.service.engine import messages as wire
     from coalesce.service.engine.core import Engine
     from coalesce.service.engine.server import GatewayLink, Turn, _offer
@@ -179,9 +181,17 @@ async def _engine_rounds(
         # the engine needs: each link keeps its own.)
         msgs = [message((warm + r) * jobs) for r in range(rounds * gateways)]
         b0, i0 = counted("coalesce_batches_total"), counted("coalesce_inputs_total")
+        # The heap as it stands, frozen, as the engine process freezes its own once ready
+        # (allocator.freeze_startup_heap): a full collection then walks what serving made, not the
+        # model's, the tokenizer's and these messages' objects by the hundred thousand, which made one
+        # that fell in a run cost it several µs a request, a different run's each time.
+        freeze_startup_heap()
         c0 = time.process_time()
-        with probe if probe is not None else contextlib.nullcontext():
-            await run(msgs)
+        try:
+            with probe if probe is not None else contextlib.nullcontext():
+                await run(msgs)
+        finally:
+            gc.unfreeze()  # (the next run's engine starts from a heap of its own)
         cpu = time.process_time() - c0
         ran = counted("coalesce_batches_total") - b0
         per_message = ran / (rounds * gateways)
