@@ -179,6 +179,9 @@ class DeviceThread:
     def __init__(self, name: str = "device", after_batch: Callable[[], None] | None = None) -> None:
         self._pool = Lane(f"coalesce-{name}")
         self.after_batch = after_batch
+        # Batches of every model on this device handed over and not yet answered: counted on the event
+        # loop (``ModelWorker.start``), which reads it to tell an idle device from a busy one.
+        self.in_flight = 0
 
     @property
     def executor(self) -> Lane:
@@ -198,8 +201,12 @@ class BatchOutput:
 class ModelWorker:
     """Drives one runner: prepare on a CPU thread, forward and finish on the device thread.
 
-    With ``overlap`` off (one batch in flight at a time, as on CPU), nothing can run beside a forward,
-    so a batch is prepared on the device thread too: one thread hand-off per batch instead of two.
+    A batch is prepared on the CPU thread only when that overlaps something: with ``overlap`` on (a GPU)
+    and a batch already in flight on the device, the next one is padded while the device runs it. With
+    ``overlap`` off (one batch in flight at a time, as on CPU), or when the device has nothing in flight
+    (a lone request, a light load), there is nothing to prepare beside, so the batch is prepared on the
+    device thread too: one thread hand-off per batch instead of two, and one thread wake-up less before
+    its forward starts.
     """
 
     def __init__(self, runner: Runner, device: DeviceThread, *, overlap: bool = True) -> None:
@@ -221,15 +228,24 @@ class ModelWorker:
         raised, on the calling event loop. No future: the batch goes from the preparing thread
         straight to the device thread, and comes back to the loop once (the batcher's hand-off)."""
         loop = asyncio.get_running_loop()
+        answered = self._answered
 
         def reply(outcome: BatchOutput | Exception) -> None:  # any thread
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
-                loop.call_soon_threadsafe(done, outcome)
+                loop.call_soon_threadsafe(answered, done, outcome)
 
-        if not self._overlap:
-            _hand(self._device.executor, reply, self._prepare_and_forward, batch, kind)
+        device = self._device
+        device.in_flight += 1
+        if not self._overlap or device.in_flight == 1:  # nothing in flight to prepare beside
+            _hand(device.executor, reply, self._prepare_and_forward, batch, kind)
         else:
             _hand(self._cpu, reply, self._prepare_then_forward, batch, kind, reply)
+
+    def _answered(self, done: Callable[[BatchOutput | Exception], None], outcome: BatchOutput | Exception
+                  ) -> None:
+        # The event loop: a batch's outcome is back, so it is no longer in flight.
+        self._device.in_flight -= 1
+        done(outcome)
 
     def _prepare_then_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind,
                               reply: Callable[[BatchOutput | Exception], None]) -> None:
