@@ -33,7 +33,9 @@ own (tens of times slower): unlike CPU time they barely move with the machine's 
 change to the per-request path reads the same on a noisy 2-core VM as on the GPU host (only the cost
 model's refits follow measured times: at a few requests a batch they move the count by a percent or
 two; at 16 or more by a fraction of a percent). A proxy — a bytecode that calls into C counts once
-however long the call takes.
+however long the call takes. With it, the objects the path leaves in reference cycles per request (the
+collector off for a run, then what ``gc.collect()`` finds): those only the garbage collector frees, each
+traced by its collections on the engine's loop; none is the mark of a path that frees what it made.
 """
 
 from __future__ import annotations
@@ -94,6 +96,25 @@ class _OpCounter:
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(None)
+
+
+class _CycleCounter:
+    """Objects the garbage collector finds in reference cycles, collected only by it, among what was
+    made while entered (the collector off meanwhile): what reference counting could not free."""
+
+    def __init__(self) -> None:
+        self.left = 0
+
+    def __enter__(self) -> _CycleCounter:
+        gc.collect()
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.left = gc.collect()
+        finally:
+            gc.enable()
 
 
 async def _engine_rounds(
@@ -373,8 +394,10 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
         uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, counter,
                                   depth=depth))
         requests = rounds * gateways * jobs[-1]
+        cycles = _CycleCounter()
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, cycles, depth=depth))
         ops = {"jobs": jobs[-1], "bytecodes": counter.ops / requests, "calls": counter.calls / requests,
-               "top": counter.top(15, requests)}
+               "top": counter.top(15, requests), "cycles": cycles.left / requests}
     return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb,
             "shared_metrics": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")), "thread_round_trip_us": hop,
             "message_round_trip_us": messages, "profile": text, "ops_per_request": ops,
@@ -403,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--ops", action="store_true",
                    help="Python bytecodes and function calls per request of the inline path at the last "
-                   "--jobs (sys.settrace: nearly the same on any machine, unlike CPU time; a run of its own)")
+                   "--jobs (sys.settrace: nearly the same on any machine, unlike CPU time; a run of its "
+                   "own), and the objects it leaves in reference cycles per request")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
     args = p.parse_args(argv)
@@ -446,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{o['calls']:.1f} Python function calls (sys.settrace); the most, bytecodes per request:")
         for where, count in o["top"]:
             print(f"  {count:8.1f}  {where}")
+        print(f"objects left in reference cycles (for the garbage collector), per request: {o['cycles']:.2f}")
     if figures["profile"]:
         print(figures["profile"])
     return 0

@@ -99,6 +99,7 @@ def test_engine_ops_counts_the_engines_bytecodes_per_request_the_same_run_to_run
     names = [where for where, _ in first["top"]]
     assert any(name.startswith("Batcher._join_one ") for name in names), names  # (a one-input request)
     assert all(count > 0 for _, count in first["top"])
+    assert first["cycles"] >= 0
 
 
 def test_the_ab_script_runs_this_checkout_beside_a_commits_wheel() -> None:
