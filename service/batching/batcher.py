@@ -146,8 +146,10 @@ class Ticket(msgspec.Struct, eq=False):
         return self.left > 1
 
 
-class _Work(msgspec.Struct, eq=False):
-    """One distinct input waiting or running, and every (request, position) waiting for its row.
+class _Work(Entry, kw_only=True, eq=False):
+    """One distinct input waiting or running, and every (request, position) waiting for its row: the
+    scheduler's queue entry itself (an :class:`Entry`, so an input costs one object here, not two; its
+    ``deadline`` the latest of its waiters', its ``priority`` the first's).
 
     Identical inputs of requests that overlap in time are computed once: a later one joins the
     waiters of the work already queued (or running) instead of queueing again.
@@ -156,9 +158,6 @@ class _Work(msgspec.Struct, eq=False):
     ids: Sequence[int]
     key: bytes
     waiters: list[tuple[Ticket, int]]
-    deadline: float | None
-    priority: int
-    entry: Entry | None = None  # its place in the scheduler's queue
 
     def abandoned(self) -> bool:
         """Every request waiting for it has finished (failed, cancelled): nobody wants it now."""
@@ -572,17 +571,14 @@ class Batcher:
         later of the two deadlines."""
         work.waiters.append((job, index))
         if deadline is None or (work.deadline is not None and deadline > work.deadline):
-            work.deadline = deadline
-            if work.entry is not None:
-                self.scheduler.extend_deadline(work.entry, deadline)
+            self.scheduler.extend_deadline(work, deadline)
 
     def _new_work(self, r: Submission, ids: Sequence[int], key: bytes, waiters: list[tuple[Ticket, int]],
                   arrived: float, job: Ticket) -> Entry:
-        """New work for input ``ids`` of request ``r`` (in flight from now), and its entry to queue."""
-        work = self._inflight[key] = _Work(ids, key, waiters, r.deadline, r.priority)
-        entry = work.entry = Entry(len(ids), arrived, r.tenant, r.weight, r.priority, r.deadline, work, job,
-                                   r.kind)
-        return entry
+        """New work for input ``ids`` of request ``r`` (in flight from now): the entry to queue."""
+        work = self._inflight[key] = _Work(len(ids), arrived, r.tenant, r.weight, r.priority, r.deadline,
+                                           None, job, r.kind, ids=ids, key=key, waiters=waiters)
+        return work
 
     def _count(self, counts: list[int]) -> None:
         hits, misses, deduplicated = counts
@@ -621,9 +617,9 @@ class Batcher:
         sched = self.scheduler
         if self._sweep:
             self._sweep = False
-            gone = sched.remove(lambda e: e.payload.abandoned())
-            for e in gone:
-                self._inflight.pop(e.payload.key, None)
+            gone = cast("list[_Work]", sched.remove(lambda e: cast(_Work, e).abandoned()))
+            for work in gone:
+                self._inflight.pop(work.key, None)
             if gone:
                 self._metrics.rejected.labels(self.model, "cancelled").inc(len(gone))
         while True:
@@ -654,7 +650,7 @@ class Batcher:
                     ),
                 )
             if isinstance(decision, Dispatch):
-                self._run_batch(decision.batch, decision.padded_tokens)
+                self._run_batch(cast("list[_Work]", decision.batch), decision.padded_tokens)
                 continue
             if isinstance(decision, Wait):
                 self._wake_at(decision.until)
@@ -702,21 +698,21 @@ class Batcher:
         self._tenant_series = waiting
 
     def _answer(self, entries: Sequence[Entry], err: CoalesceError) -> None:
-        for e in entries:
-            self._inflight.pop(e.payload.key, None)
-            if e.payload.fail(err):  # a request it failed has other inputs waiting: they go next step
+        for e in cast("Sequence[_Work]", entries):  # (the batcher's entries are its work)
+            self._inflight.pop(e.key, None)
+            if e.fail(err):  # a request it failed has other inputs waiting: they go next step
                 self._sweep = True
                 self._wake.set()
 
-    def _run_batch(self, batch: list[Entry], padded: int) -> None:
+    def _run_batch(self, batch: list[_Work], padded: int) -> None:
         start = time.monotonic()
         kind = cast(OutputKind, batch[0].kind)  # the batcher gives every entry one
         tracer = tracing.active
         span = self._batch_span(tracer, batch, padded, start) if tracer is not None else None
-        self._engine.start([e.payload.ids for e in batch], kind,
+        self._engine.start([e.ids for e in batch], kind,
                            partial(self._batch_done, batch, padded, kind, start, tracer, span))
 
-    def _batch_done(self, batch: list[Entry], padded: int, kind: OutputKind, start: float,
+    def _batch_done(self, batch: list[_Work], padded: int, kind: OutputKind, start: float,
                     tracer: tracing.Tracer | None, span: Any, out: Output | Exception) -> None:
         m, model = self._series, self.model
         seconds: float | None = None
@@ -724,7 +720,7 @@ class Batcher:
             if isinstance(out, Exception):
                 raise out
             # The rows each input gets: one (pooled), or one per token.
-            sizes = [len(e.payload.ids) for e in batch] if kind is OutputKind.TOKENS else [1] * len(batch)
+            sizes = [len(e.ids) for e in batch] if kind is OutputKind.TOKENS else [1] * len(batch)
             if out.rows.shape[0] != sum(sizes):
                 raise RuntimeError(f"the runner returned {out.rows.shape[0]} rows for {sum(sizes)}")
         except Exception as exc:  # the runner's failure reaches exactly this batch
@@ -744,12 +740,11 @@ class Batcher:
             if rows.dtype != _F32 or not rows.flags.c_contiguous:  # (once a batch, for every answer)
                 rows = np.ascontiguousarray(rows, dtype=np.float32)
             at, model = 0, self.model
-            for e, size in zip(batch, sizes, strict=True):
-                work = e.payload
+            for work, size in zip(batch, sizes, strict=True):
                 block = rows[at : at + size]
                 at += size
                 inflight.pop(work.key, None)
-                work.put(block, start - e.arrival, seconds)
+                work.put(block, start - work.arrival, seconds)
                 if cache is not None:
                     cache.put(model, work.key, block, len(work.key))
             if cache is not None:
@@ -770,13 +765,13 @@ class Batcher:
                 m.cost_run_spread.set(self.scheduler.cost.run_spread)
             self._wake.set()
 
-    def _batch_span(self, tracer: tracing.Tracer, batch: list[Entry], padded: int, start: float) -> Any:
+    def _batch_span(self, tracer: tracing.Tracer, batch: list[_Work], padded: int, start: float) -> Any:
         """The span of a batch that computes inputs of sampled requests (None if it computes none),
         linked to each of those requests' spans; each such request learns the batch's span."""
         links: dict[bytes, int] = {}
         jobs: list[Ticket] = []
         for e in batch:
-            for job, _ in e.payload.waiters:
+            for job, _ in e.waiters:
                 if job.link is not None:
                     if job.link not in links:
                         links[job.link] = 0
@@ -800,7 +795,7 @@ class Batcher:
             job.batches += (packed,)
         return span
 
-    def _record(self, batch: list[Entry], padded: int, start: float, out: Output) -> None:
+    def _record(self, batch: Sequence[Entry], padded: int, start: float, out: Output) -> None:
         m = self._series
         tokens = sum(e.n_tokens for e in batch)
         m.batches.inc()

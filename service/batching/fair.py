@@ -69,7 +69,8 @@ IDLE_TENANTS_KEPT = 1024  # tenants kept before idle ones are dropped
 
 
 class Entry(msgspec.Struct, eq=False):
-    """One input waiting for a batch. ``payload`` is the batcher's (its future); never read here.
+    """One input waiting for a batch. ``payload`` is the caller's; never read here (the batcher
+    subclasses the entry instead: its work is the entry).
 
     ``flow`` groups the inputs that share a class fairly as one (the batcher uses one key per request);
     None is the tenant's shared flow for that class. Compared and hashed by identity.
@@ -464,6 +465,7 @@ def _requeue(c: _Class, order: list[_Key], flows: dict[_Flow, list[int]]) -> Non
         if f.items == 0:
             del c.flows[f.key]
             f.order_key = None
+            f.entries.clear()  # (taken inputs all: nothing else holds them in a cycle with it)
             continue
         q = f.entries
         while q[0].taken:

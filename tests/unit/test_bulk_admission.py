@@ -262,8 +262,8 @@ async def test_one_input_requests_take_a_shortcut_to_the_outcome_of_the_general_
                 out = batcher.enqueue_many(message, answers)
                 outcomes.append(_outcomes(out))
                 inflight.append(sorted(
-                    (key, sorted(str(job.tag) for job, _ in work.waiters), work.priority, work.deadline,
-                     None if (e := work.entry) is None else (e.n_tokens, e.tenant, e.priority, e.deadline))
+                    (key, sorted(str(job.tag) for job, _ in work.waiters), work.n_tokens, work.tenant,
+                     work.priority, work.deadline, work.kind)
                     for key, work in batcher._inflight.items()))
                 await asyncio.wait_for(answers.all_in.wait(), 10)
             rows = {tag: (o.rows.copy() if isinstance(o, RequestResult) else type(o).__name__)

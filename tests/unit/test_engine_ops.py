@@ -99,7 +99,9 @@ def test_engine_ops_counts_the_engines_bytecodes_per_request_the_same_run_to_run
     names = [where for where, _ in first["top"]]
     assert any(name.startswith("Batcher._join_one ") for name in names), names  # (a one-input request)
     assert all(count > 0 for _, count in first["top"])
-    assert first["cycles"] >= 0
+    # Everything a request made on the engine's path, from its gateway's message to its answer's, is
+    # freed by reference counts: nothing is left for the garbage collector (nine objects a request were).
+    assert first["cycles"] < 0.05 and second["cycles"] < 0.05, (first["cycles"], second["cycles"])
 
 
 def test_the_ab_script_runs_this_checkout_beside_a_commits_wheel() -> None:
