@@ -162,6 +162,12 @@ class FairQueue:
         self._clock = 0.0  # the tenant level's fluid virtual time
         self._seq = itertools.count()
         self.split = False  # flows joining now go before those that joined earlier (see split_off())
+        # While set (the scheduler sets it: overload.Regime.onset), a class's one-input requests are
+        # served newest first — after those that joined since a split, which keep their order — while
+        # no request of several inputs waits in the class (that keeps fair order). Adaptive LIFO ("Fail
+        # at Scale"): while a queue may be an overload's onset, its oldest requests could no longer
+        # make the bound, and served first they made everyone behind them miss it too.
+        self.newest_first = False
 
     # -- the newest first, for a moment ---------------------------------------------------------------
     def split_off(self) -> None:
@@ -175,8 +181,8 @@ class FairQueue:
         wait past the bound; set aside, the requests admitted now under the standing queue's promise keep
         it, and the backlog is served once they are (a burst that stops arriving) or held to the bound
         when the overload is confirmed (the scheduler folds then, and what can no longer start in time
-        is answered late). The adaptive LIFO of "Fail at Scale" (Facebook, 2015), at the grain of one
-        regime change rather than of every request."""
+        is answered late). With :attr:`newest_first`, the backlog's one-input requests go newest first
+        behind them."""
         self.split = True
 
     def fold(self) -> None:
@@ -294,8 +300,9 @@ class FairQueue:
         would serve them. The first is the one fairness says goes next (the batch's anchor)."""
         if len(self._active) == 1:
             (t,) = self._active.values()
-            return list(itertools.islice(_tenant_order(t, size), size))
-        tenants = [(t.vtime, t.weight, t.seq, _tenant_order(t, size)) for t in self._active.values()]
+            return list(itertools.islice(_tenant_order(t, size, self.newest_first), size))
+        tenants = [(t.vtime, t.weight, t.seq, _tenant_order(t, size, self.newest_first))
+                   for t in self._active.values()]
         return list(itertools.islice(_merge(tenants, by_finish=False), size))
 
     def waiting(self) -> Iterator[Entry]:
@@ -480,36 +487,43 @@ def _requeue(c: _Class, order: list[_Key], flows: dict[_Flow, list[int]]) -> Non
         for key in olds:
             del order[bisect.bisect_left(order, key)]
     else:
-        # Many (a batch of one-input requests): all sit near the front; one pass drops them.
-        end = bisect.bisect_right(order, max(olds))
-        order[:end] = [k for k in order[:end] if k[3].order_key is k]
+        # Many (a batch of one-input requests): all sit together, near the front (or the back, newest
+        # first); one pass over their span drops them.
+        start, end = bisect.bisect_left(order, min(olds)), bisect.bisect_right(order, max(olds))
+        order[start:end] = [k for k in order[start:end] if k[3].order_key is k]
     for key in news:
         bisect.insort(order, key)
 
 
-def _tenant_order(t: _Tenant, size: int) -> Iterator[Entry]:
-    """The tenant's first ``size`` waiting inputs (or more), in fair order."""
+def _tenant_order(t: _Tenant, size: int, newest: bool = False) -> Iterator[Entry]:
+    """The tenant's first ``size`` waiting inputs (or more), in fair order (``newest``: see
+    :attr:`FairQueue.newest_first`)."""
     active = [c for c in t.classes if c.items]
     if len(active) == 1:
-        return _class_order(active[0], size)
-    return _merge([(c.vtime, c.weight, c.index, _class_order(c, size)) for c in active], by_finish=True)
+        return _class_order(active[0], size, newest)
+    return _merge([(c.vtime, c.weight, c.index, _class_order(c, size, newest)) for c in active],
+                  by_finish=True)
 
 
-def _class_order(c: _Class, size: int) -> Iterator[Entry]:
+def _class_order(c: _Class, size: int, newest: bool = False) -> Iterator[Entry]:
     """The class's first ``size`` waiting inputs (or more), in fair order: while the queue is split,
-    those of the flows that joined since first (:meth:`FairQueue.split_off`)."""
+    those of the flows that joined since first (:meth:`FairQueue.split_off`); ``newest``, the backlog's
+    one-input requests newest first."""
     if not c.fresh:
-        return _flows_order(c.order, c.multi, size)
+        return _flows_order(c.order, c.multi, size, newest)
     if not c.order:
         return _flows_order(c.fresh, c.multi, size)
-    return itertools.chain(_flows_order(c.fresh, c.multi, size), _flows_order(c.order, c.multi, size))
+    return itertools.chain(_flows_order(c.fresh, c.multi, size), _flows_order(c.order, c.multi, size, newest))
 
 
-def _flows_order(order: list[_Key], multi: int, size: int) -> Iterator[Entry]:
-    """The inputs of the flows of ``order`` (``multi``: whether some have several), in fair order."""
+def _flows_order(order: list[_Key], multi: int, size: int, newest: bool = False) -> Iterator[Entry]:
+    """The inputs of the flows of ``order`` (``multi``: whether some have several), in fair order, or
+    (``newest``, one-input flows only) the latest to join first."""
     if len(order) == 1:
         return (e for e in order[0][3].entries if not e.taken)
     if multi == 0:  # one-input flows only (the common case): their heads, in order
+        if newest:
+            return iter([k[3].entries[0] for k in order[: -size - 1 : -1]])
         return iter([k[3].entries[0] for k in order[:size]])
     return _flow_merge(order)
 

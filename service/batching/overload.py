@@ -16,17 +16,26 @@ sixth of what it refused was dropped late; standing on, it stands throughout and
 twenty-fifth: ``test_a_sustained_overload_is_shed_at_the_door_not_late``). Not before it is
 confirmed: standing on through any empty moment made the thousand-call burst of
 ``tests/integration/test_overload.py`` lose callers after their retries (2026-12-02, reverted), since
-a burst still arriving stands for a moment too. The signal is the age of the oldest input still waiting,
-counted from its request's head arriving (the wait before admission included), not the minimum
-sojourn of dispatched inputs: fair queuing sends a fresh query ahead of a backlog, so the minimum
-sojourn stays low under a flood that never drains. The arrival rate is what tells a burst from
-overload once the burst has arrived: both look alike while they arrive, so a queue that has stood for
-a whole interval more is *confirmed* an overload (:meth:`Regime.confirmed`): only then is what its
-start was admitted as a burst held to the standing bound. Meanwhile (standing, not yet confirmed) that
-backlog is set aside: the requests admitted under the standing queue's promise go before it
-(:meth:`.fair.FairQueue.split_off`), so they keep the promise whichever the queue turns out to be; a
-burst that stops arriving has its backlog served, in order, once they are. The admission rules for each
-regime are in :mod:`.admit`.
+a burst still arriving stands for a moment too. The signal is how far behind the queue is: the age of
+the input that would be first in line were the queue served in admission order (as many inputs on
+from the first admitted as have been taken, :meth:`Regime.head_age`), counted from its request's head
+arriving (the wait before admission included); not the minimum sojourn of dispatched inputs: fair
+queuing sends a fresh query ahead of a backlog, so the minimum sojourn stays low under a flood that
+never drains. Served in order, that is the oldest input waiting; served otherwise (a bulk request at
+its fair share, the newest first below) the oldest waiting input is older than the queue is behind,
+and a burst judged by it stood sooner than in order, refusing its callers while it still arrived and
+their retries again. The arrival rate is what tells a burst from overload once the burst has arrived:
+both look alike while they arrive, so a queue that has stood for a whole interval more is *confirmed*
+an overload (:meth:`Regime.confirmed`): only then is what its start was admitted as a burst held to the
+standing bound. Meanwhile, from the moment the queue's head grows old with no overload in memory
+(:attr:`Regime.onset`), its one-input requests are served newest first
+(:attr:`.fair.FairQueue.newest_first`, the adaptive LIFO of "Fail at Scale"): the oldest of what an
+overload's onset admitted as a burst could no longer make the bound, the newest still can; once the
+queue stands, the requests admitted under its promise go before that backlog, in their own order
+(:meth:`.fair.FairQueue.split_off`), so they keep the promise whichever the queue turns out to be.
+Confirmed an overload, the queue is served in one fair order again, oldest first, and what can no
+longer start in time is dropped late; a burst that stops arriving has its backlog served, the newest
+first while its head is old. The admission rules for each regime are in :mod:`.admit`.
 
 **Retry-After that works.** A refused caller is told to come back when the queue will have drained
 to half of what the regime admits, and callers refused together are told to come back one after the
@@ -56,13 +65,12 @@ ARRIVAL_WINDOW_S = 0.25
 LEAVE_BELOW = 0.9
 
 
-class _Waiting(Protocol):
+class _Admitted(Protocol):
     arrival: float
-    taken: bool
 
 
-# Taken inputs kept behind an older one still waiting (in admission order, or in deadline order) are
-# dropped from the record once they outnumber the waiting ones by this much: an input that waits long
+# Taken inputs kept behind an older one still waiting (the scheduler's deadline heap) are dropped from
+# the record once they outnumber the waiting ones by this much: an input that waits long
 # (a bulk request served at its fair share) must not keep every input admitted after it, answered long
 # since, and with it each one's request and rows, for as long as it waits.
 _COMPACT_SLACK = 1024
@@ -92,13 +100,21 @@ class Regime:
         # stopped doing so.
         self.overload = False
         self._overload_ended = -math.inf
+        # The queue has stopped emptying (its head past target_s) with no overload in memory: a burst
+        # arriving, or an overload's first interval, which look alike until one of them stops.
+        self.onset = False
         # Tokens asked for (admitted or refused) in the last ARRIVAL_WINDOW_S: a queue stands only while
         # arrivals go on at least as fast as the model serves (``capacity``, tokens per second).
         self._asked: deque[tuple[float, int]] = deque()
         self._asked_tokens = 0
         self.capacity = math.inf
-        self._waiting: deque[_Waiting] = deque()  # queued inputs, in the order they were admitted
-        self.listener: Callable[[], None] | None = None  # called when standing or overload changes
+        # When each input still waiting arrived, in the order they were admitted, were the queue served
+        # in that order: as many of the first are let go as inputs have been taken (head_age).
+        self._arrivals: deque[float] = deque()
+        # Called when standing, overload or onset changes.
+        self.listener: Callable[[], None] | None = None
+        # How many admitted inputs wait now (the scheduler's queue; by default all of them: none taken).
+        self.queued: Callable[[], int] = self._arrivals.__len__
 
     def recent(self, now: float, intervals: float = MEMORY) -> bool:
         """Whether the queue stands, or stood within the last ``intervals`` intervals (the overload
@@ -125,13 +141,9 @@ class Regime:
         return self.standing and (self.confirmed(now)
                                   or now - self._overload_ended < self.MEMORY * self.interval_s)
 
-    def add(self, entries: Iterable[_Waiting], waiting: int | None = None) -> None:
-        """Queued inputs, in admission order. ``waiting``: how many inputs wait in the queue now; taken
-        ones behind an older one still waiting are kept only until they outnumber those (see
-        :func:`compact_by`)."""
-        self._waiting.extend(entries)
-        if waiting is not None and len(self._waiting) > compact_by(waiting):
-            self._waiting = deque(e for e in self._waiting if not e.taken)
+    def add(self, entries: Iterable[_Admitted]) -> None:
+        """Queued inputs, in admission order (only their arrival times are kept: no input is held)."""
+        self._arrivals.extend(e.arrival for e in entries)
 
     def asked(self, tokens: int, now: float) -> None:
         """A request of ``tokens`` tokens arrived (whether admitted or refused)."""
@@ -146,18 +158,23 @@ class Regime:
         return self._asked_tokens / ARRIVAL_WINDOW_S
 
     def head_age(self, now: float) -> float | None:
-        """Age of the oldest input still waiting (None: nothing waits). Inputs are admitted nearly in
-        head-arrival order (tokenising reorders a few), so the first one not yet taken is the oldest
-        within a few milliseconds."""
-        waiting = self._waiting
-        while waiting and waiting[0].taken:
-            waiting.popleft()
-        return now - waiting[0].arrival if waiting else None
+        """How far behind the queue is (None: nothing waits): the age of the input first in line were
+        it served in admission order, as many inputs on from the first admitted as have been taken
+        (batches, drops, withdrawals). Inputs are admitted nearly in head-arrival order (tokenising
+        reorders a few), so served in that order it is the oldest waiting one. Served otherwise — the
+        newest first while a burst may be arriving (:attr:`.fair.FairQueue.newest_first`), a bulk
+        request at its fair share — the oldest input waits on, and its age would say the queue stands
+        sooner than it would in order: a burst that stood that much sooner had its callers refused
+        while it still arrived, and retries that came back into it refused again."""
+        arrivals = self._arrivals
+        for _ in range(len(arrivals) - self.queued()):
+            arrivals.popleft()
+        return now - arrivals[0] if arrivals else None
 
     def observe(self, now: float) -> bool:
         """Update the regime from the queue as it is at ``now`` (after admissions and dispatches);
         returns whether it is standing."""
-        was = self.standing
+        was, was_onset = self.standing, self.onset
         age = self.head_age(now)
         if age is None:  # nothing waits: whatever stood has drained, unless an overload goes on
             self._above_since = None
@@ -186,7 +203,9 @@ class Regime:
         overload = self.overload_at(now)
         if self.overload and not overload:
             self._overload_ended = now
-        changed = overload != self.overload or self.standing != was
+        self.onset = (self._above_since is not None and not overload
+                      and now - self._overload_ended >= self.MEMORY * self.interval_s)
+        changed = overload != self.overload or self.standing != was or self.onset != was_onset
         self.overload = overload
         if changed and self.listener is not None:
             self.listener()

@@ -154,6 +154,7 @@ class Scheduler:
             config.admission(), self._queue, cost, padded_cost, lambda now: max(0.0, self.busy_until - now)
         )
         self.regime = self.admission.regime
+        self.regime.queued = lambda: self._queue.items
         self.regime.listener = self._tier
 
     @property
@@ -239,7 +240,7 @@ class Scheduler:
             every += entries
         self._queue.add(every)
         waiting = self._queue.items
-        self.regime.add(every, waiting)
+        self.regime.add(every)
         deadlines, seq = self._deadlines, self._seq
         for e in every:
             if e.deadline is not None:
@@ -359,11 +360,15 @@ class Scheduler:
     def _tier(self) -> None:
         """The regime changed (:meth:`.overload.Regime.observe` calls this): while the queue stands and
         is not yet confirmed an overload, what joins it goes before what waits, which was admitted as a
-        burst (:meth:`.fair.FairQueue.split_off`); otherwise one fair order."""
-        if self.admission.on and self.regime.standing and not self.regime.overload:
+        burst (:meth:`.fair.FairQueue.split_off`); otherwise one fair order. From the moment its head
+        grows old with no overload in memory until one is confirmed, its one-input requests go newest
+        first (:attr:`.fair.FairQueue.newest_first`)."""
+        regime = self.regime
+        if self.admission.on and regime.standing and not regime.overload:
             self._queue.split_off()
         else:
             self._queue.fold()
+        self._queue.newest_first = self.admission.on and regime.onset
 
     def _query_first(self, window: list[Entry]) -> tuple[list[Entry], bool]:
         """``window`` (anchored by a bulk input) with the first query of the anchor's tenant and class

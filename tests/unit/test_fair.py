@@ -158,19 +158,31 @@ def test_emptied_flows_and_idle_tenants_hold_no_memory() -> None:
     assert all(not c.flows and not c.order for c in classes)
 
 
-@pytest.mark.parametrize("split", [None, 200], ids=["one order", "split"])
+# Requests of 1 to 20 inputs, a fifth of them in their tenant's shared flow; or every one a query of
+# its own (no flow holds more than one input: the case newest first orders).
+_MIXED, _QUERIES = ([1, 1, 1, 3, 20], 0.8), ([1], 1.0)
+
+
+@pytest.mark.parametrize(("split", "newest", "sizes"), [(None, False, _MIXED), (200, False, _MIXED),
+                                                      (200, True, _QUERIES)],
+                         ids=["one order", "split", "one-input requests, split and newest first"])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(seed: int, split: int | None) -> None:
+def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(
+    seed: int, split: int | None, newest: bool, sizes: tuple[list[int], float],
+) -> None:
     # The window is computed without taking anything; it must be exactly the order in which the
     # inputs would be served if each were taken (and charged) alone, across tenants, classes and flows,
-    # with inputs already taken out of the middle of flows (and with the queue split half way).
+    # with inputs already taken out of the middle of flows (and with the queue split half way; one-input
+    # requests served newest first from there. A class whose last request of several inputs comes down
+    # to one input within a window turns newest first only at the next window.)
     def build() -> FairQueue:
         rng = random.Random(seed)
         q = FairQueue(WEIGHTS)
         for i in range(400):
             if i == split:
                 q.split_off()
-            n = rng.choice([1, 1, 1, 3, 20])
+                q.newest_first = newest
+            n = rng.choice(sizes[0])
             q.add(
                 [
                     Entry(
@@ -180,7 +192,7 @@ def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(seed: int, split
                         weight=2.0 if i % 7 == 0 else 1.0,
                         priority=rng.randint(0, 2),
                         payload=(i, k),
-                        flow=i if rng.random() < 0.8 else None,
+                        flow=i if rng.random() < sizes[1] else None,
                     )
                     for k in range(n)
                 ]
@@ -190,9 +202,10 @@ def test_the_window_is_the_order_of_taking_inputs_one_at_a_time(seed: int, split
         return q
 
     a, b = build(), build()
-    window = [e.payload for e in a.window(300)]
+    count = min(300, b.items)
+    window = [e.payload for e in a.window(count)]
     one_by_one = []
-    for _ in range(300):
+    for _ in range(count):
         (e,) = b.window(1)
         one_by_one.append(e.payload)
         b.take([e], charge=True)
@@ -219,6 +232,37 @@ def test_while_split_the_requests_that_join_go_before_the_backlog_until_it_folds
     q.fold()
     assert q.window(45 + 5) == [*backlog[5:], *fresh[3:]]
     assert q.tokens_ahead("default", 1.0, 1, 10) == (45 + 5) * 10
+
+
+def test_newest_first_the_backlog_s_queries_go_newest_first_and_requests_of_many_keep_fair_order() -> None:
+    # While a queue's head is old and no overload is known (a burst arriving, or an overload's onset),
+    # its one-input requests are served newest first: the oldest could no longer make the bound anyway,
+    # and the newest still can. What joins after a split goes first, in its own order (it was admitted
+    # on a promise); folded back and in order again, the oldest goes first.
+    q = FairQueue(WEIGHTS)
+    backlog = [Entry(10, float(i), flow=("old", i)) for i in range(20)]
+    for e in backlog:
+        q.add([e])
+    q.newest_first = True
+    assert q.window(5) == backlog[::-1][:5]
+    q.take(q.window(5), charge=True)
+    assert q.window(3) == [backlog[14], backlog[13], backlog[12]]
+    q.split_off()
+    fresh = [Entry(10, 30.0, flow=("new", i)) for i in range(2)]
+    for e in fresh:
+        q.add([e])
+    assert q.window(4) == [*fresh, backlog[14], backlog[13]]
+    q.newest_first = False
+    q.fold()
+    assert q.window(17) == [*backlog[:15], *fresh]
+    # A request of many inputs waiting beside queries: fair order as before, whichever way.
+    mixed = FairQueue(WEIGHTS)
+    mixed.add(entries(6, flow="bulk"))
+    for i in range(6):
+        mixed.add([Entry(4, 1.0 + i, flow=i)])
+    in_order = mixed.window(12)
+    mixed.newest_first = True
+    assert mixed.window(12) == in_order
 
 
 def test_a_split_keeps_the_shares_of_tenants_and_classes() -> None:
