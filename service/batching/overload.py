@@ -28,14 +28,14 @@ their retries again. The arrival rate is what tells a burst from overload once t
 both look alike while they arrive, so a queue that has stood for a whole interval more is *confirmed*
 an overload (:meth:`Regime.confirmed`): only then is what its start was admitted as a burst held to the
 standing bound. Meanwhile, from the moment the queue's head grows old with no overload in memory
-(:attr:`Regime.onset`), its one-input requests are served newest first
+(:attr:`Regime.onset`; arrivals outpacing the model), its one-input requests are served newest first
 (:attr:`.fair.FairQueue.newest_first`, the adaptive LIFO of "Fail at Scale"): the oldest of what an
 overload's onset admitted as a burst could no longer make the bound, the newest still can; once the
 queue stands, the requests admitted under its promise go before that backlog, in their own order
 (:meth:`.fair.FairQueue.split_off`), so they keep the promise whichever the queue turns out to be.
 Confirmed an overload, the queue is served in one fair order again, oldest first, and what can no
-longer start in time is dropped late; a burst that stops arriving has its backlog served, the newest
-first while its head is old. The admission rules for each regime are in :mod:`.admit`.
+longer start in time is dropped late; a burst that stops arriving has its backlog served, in order.
+The admission rules for each regime are in :mod:`.admit`.
 
 **Retry-After that works.** A refused caller is told to come back when the queue will have drained
 to half of what the regime admits, and callers refused together are told to come back one after the
@@ -100,8 +100,9 @@ class Regime:
         # stopped doing so.
         self.overload = False
         self._overload_ended = -math.inf
-        # The queue has stopped emptying (its head past target_s) with no overload in memory: a burst
-        # arriving, or an overload's first interval, which look alike until one of them stops.
+        # The queue has stopped emptying (its head past target_s) while arrivals outpace the model,
+        # with no overload in memory: a burst arriving, or an overload's first moments, which look
+        # alike until one of them stops.
         self.onset = False
         # Tokens asked for (admitted or refused) in the last ARRIVAL_WINDOW_S: a queue stands only while
         # arrivals go on at least as fast as the model serves (``capacity``, tokens per second).
@@ -204,7 +205,8 @@ class Regime:
         if self.overload and not overload:
             self._overload_ended = now
         self.onset = (self._above_since is not None and not overload
-                      and now - self._overload_ended >= self.MEMORY * self.interval_s)
+                      and now - self._overload_ended >= self.MEMORY * self.interval_s
+                      and self.arrivals(now) >= self.capacity)
         changed = overload != self.overload or self.standing != was or self.onset != was_onset
         self.overload = overload
         if changed and self.listener is not None:

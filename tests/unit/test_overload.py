@@ -501,7 +501,7 @@ def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(
     # an overload and a burst look alike: its oldest could no longer make the bound anyway). A whole
     # interval on, arrivals still coming: an overload, the queue folds back into one fair order and the
     # backlog, past the bound, is answered late. Arrivals stopped instead: a burst draining, its backlog
-    # served, the newest first still.
+    # served, in order again (arrivals no longer outpace the model).
     cost = CostModel()
     for n in (16, 256, 1024):
         cost.observe(n, A + B * n)
@@ -531,7 +531,7 @@ def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(
         assert not isinstance(step.decision, Dispatch) and step.late == left  # in fair order, none run
     else:
         assert not s.standing and not step.late
-        assert isinstance(step.decision, Dispatch) and step.decision.batch[0] is left[-1]
+        assert isinstance(step.decision, Dispatch) and step.decision.batch[0] is left[0]
 
 
 def test_a_queue_that_was_about_to_stand_but_did_not_leaves_no_memory_of_standing() -> None:
