@@ -396,6 +396,19 @@ def test_an_overload_from_an_idle_queue_holds_its_start_to_the_bound_once_confir
     assert res.throughput((2.0, res.end)) >= 0.9 * CAPACITY  # the model kept busy meanwhile
 
 
+_SOAK_PHASE_S = 30.0
+
+
+def _soak_load(seed: int) -> list[Arrival]:
+    """`make soak`'s load on the virtual clock: 30-s phases of 0.5x and 2x capacity, four of each."""
+    rng = random.Random(seed)
+    arrivals: list[Arrival] = []
+    for k in range(8):
+        arrivals += poisson((0.5 if k % 2 == 0 else 2.0) * CAPACITY, _SOAK_PHASE_S, rng,
+                            start=k * _SOAK_PHASE_S, tokens=TOKENS)
+    return own_flows(sorted(arrivals, key=lambda a: a.time))
+
+
 @pytest.mark.parametrize("seed", [7, 1, 11])
 def test_alternating_half_and_double_capacity_keeps_every_double_phase_within_the_target(seed: int) -> None:
     # `make soak`'s load on the virtual clock: 30-s phases of 0.5x and 2x capacity, four of each. Every
@@ -408,12 +421,8 @@ def test_alternating_half_and_double_capacity_keeps_every_double_phase_within_th
     # is held to the bound once the overload is confirmed. (With the VM's random slow forwards and a
     # drain pace on top, what a phase's first half second admits before the queue can stand is still
     # served past the bound: the soak's remaining miss.)
-    rng = random.Random(seed)
-    phase_s, arrivals = 30.0, []
-    for k in range(8):
-        arrivals += poisson((0.5 if k % 2 == 0 else 2.0) * CAPACITY, phase_s, rng, start=k * phase_s,
-                            tokens=TOKENS)
-    res = simulate(shedding(), own_flows(sorted(arrivals, key=lambda a: a.time)), A, B)
+    phase_s = _SOAK_PHASE_S
+    res = simulate(shedding(), _soak_load(seed), A, B)
     whole: dict[int, list[float]] = {k: [] for k in range(1, 8, 2)}
     onset: dict[int, list[float]] = {k: [] for k in range(1, 8, 2)}
     for batch in res.batches:
@@ -440,17 +449,11 @@ def test_double_phases_keep_the_target_on_a_machine_whose_forwards_run_slow_in_s
     # is served makes the bound, and what could not is what confirmation then drops late: no more
     # requests go unserved (the same goodput), and the tail is the steady state's.
     def run() -> tuple[float, int]:
-        rng = random.Random(seed)
-        phase_s, arrivals = 30.0, []
-        for k in range(8):
-            arrivals += poisson((0.5 if k % 2 == 0 else 2.0) * CAPACITY, phase_s, rng, start=k * phase_s,
-                                tokens=TOKENS)
-        res = simulate(shedding(), own_flows(sorted(arrivals, key=lambda a: a.time)), A, B, seed=seed,
-                       spikes=(0.3, 1.5), spell=4)
+        res = simulate(shedding(), _soak_load(seed), A, B, seed=seed, spikes=(0.3, 1.5), spell=4)
         waits: dict[int, list[float]] = {k: [] for k in range(1, 8, 2)}
         for batch in res.batches:
             for e in batch.entries:
-                k = int(e.arrival // phase_s)
+                k = int(e.arrival // _SOAK_PHASE_S)
                 if k in waits:
                     waits[k].append(batch.end - e.arrival)
         return max(res.pct(0.99, v) for v in waits.values()), sum(len(v) for v in waits.values())
