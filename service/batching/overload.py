@@ -69,19 +69,6 @@ class _Admitted(Protocol):
     arrival: float
 
 
-# Taken inputs kept behind an older one still waiting (the scheduler's deadline heap) are dropped from
-# the record once they outnumber the waiting ones by this much: an input that waits long
-# (a bulk request served at its fair share) must not keep every input admitted after it, answered long
-# since, and with it each one's request and rows, for as long as it waits.
-_COMPACT_SLACK = 1024
-
-
-def compact_by(waiting: int) -> int:
-    """The length past which a record of ``waiting`` inputs still waiting (and taken ones behind them)
-    is compacted: twice what waits, and some, so compacting costs O(1) per input added over time."""
-    return 2 * waiting + _COMPACT_SLACK
-
-
 class Regime:
     """Good (the queue keeps emptying) or standing (it has not for a whole interval)."""
 

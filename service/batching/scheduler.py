@@ -46,7 +46,7 @@ from typing import Literal, NamedTuple
 from .admit import AdmissionConfig, Admitter, Refusal
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
-from .overload import ARRIVAL_WINDOW_S, compact_by
+from .overload import ARRIVAL_WINDOW_S
 from .policy import Limits, PaddedCost, form_batch, window_size
 
 __all__ = [
@@ -64,6 +64,19 @@ __all__ = [
 ]
 
 Strategy = Literal["none", "fixed", "adaptive"]
+
+
+# Taken inputs kept behind an older one still waiting (the deadline heap, in deadline order) are dropped
+# from the record once they outnumber the waiting ones by this much: an input that waits long
+# (a bulk request served at its fair share) must not keep every input admitted after it, answered long
+# since, and with it each one's request and rows, for as long as it waits.
+_COMPACT_SLACK = 1024
+
+
+def compact_by(waiting: int) -> int:
+    """The length past which a record of ``waiting`` inputs still waiting (and taken ones behind them)
+    is compacted: twice what waits, and some, so compacting costs O(1) per input added over time."""
+    return 2 * waiting + _COMPACT_SLACK
 
 
 @dataclass(frozen=True, slots=True)

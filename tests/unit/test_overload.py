@@ -446,7 +446,7 @@ def test_double_phases_keep_the_target_on_a_machine_whose_forwards_run_slow_in_s
     # The same load on a machine like the 2-core VM the soak runs on: 30% of forwards run half as long
     # again, in spells of four. Each 2x phase's first half second is admitted as a burst, before the
     # queue can stand; served oldest first, that backlog ran past the bound while the queue stood
-    # unconfirmed (the 2x phases' p99 up to 0.78 s, their first 2 s up to 1.1 s). Served newest first
+    # unconfirmed (past 1.1x the target: the in-order run below). Served newest first
     # from the moment the queue's head grows old with no overload known (FairQueue.newest_first), what
     # is served makes the bound, and what could not is what confirmation then drops late: no more
     # requests go unserved (the same goodput), and the tail is the steady state's.

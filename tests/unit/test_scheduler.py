@@ -10,9 +10,8 @@ from dataclasses import replace
 
 import pytest
 from coalesce.service.batching.cost import CostModel
-from coalesce.service.batching.overload import compact_by
 from coalesce.service.batching.policy import Limits
-from coalesce.service.batching.scheduler import Dispatch, Entry, Scheduler, SchedulerConfig, Wait
+from coalesce.service.batching.scheduler import Dispatch, Entry, Scheduler, SchedulerConfig, Wait, compact_by
 
 from .sim import Arrival, Batch, Result, poisson, simulate
 
