@@ -371,21 +371,22 @@ class Runner:
             # as made on the fly), so making them is not CPU the generator takes from the server.
             ready = [payloads(i) for i in range(len(arrivals))]
             payloads = ready.__getitem__
-        t0 = loop.time() + 0.05
         murl = metrics_url_for(self.target.url) if self.target.metrics_url == "" else self.target.metrics_url
-        scrapes = [asyncio.create_task(self._scrape_at(side, murl, t0 + w[1][0])) for w in windows]
-        elapsed = self._elapsed
+        async with engine.collector_aside():  # (before the clock: its first collection takes a while)
+            t0 = loop.time() + 0.05
+            scrapes = [asyncio.create_task(self._scrape_at(side, murl, t0 + w[1][0])) for w in windows]
+            elapsed = self._elapsed
 
-        def offered(i: int) -> Payload:
-            p = payloads(i)
-            self._offered.append((elapsed + loop.time() - t0, p))
-            return p
+            def offered(i: int) -> Payload:
+                p = payloads(i)
+                self._offered.append((elapsed + loop.time() - t0, p))
+                return p
 
-        async with self.progress.show(label, rec, t0, total):
-            if arrivals is None:
-                await engine.run_closed(client, s.concurrency, total, offered, rec, t0)
-            else:
-                await engine.run_open(client, arrivals, offered, rec, t0)
+            async with self.progress.show(label, rec, t0, total):
+                if arrivals is None:
+                    await engine.run_closed(client, s.concurrency, total, offered, rec, t0)
+                else:
+                    await engine.run_open(client, arrivals, offered, rec, t0)
         self._elapsed += loop.time() - t0
         snaps = [await task for task in scrapes]
         snaps.append(await promtext.scrape(side, murl) if murl else None)
