@@ -484,7 +484,10 @@ class Batcher:
         try:
             return self._enqueue(r, reply)
         except CoalesceError as err:
-            return err
+            # Without its traceback: kept as a value (set on the caller's future), a refusal's traceback
+            # held the frames down to here and through them the message's other requests and their
+            # futures, which hold it: a cycle of about fifty objects for the collector, per refusal.
+            return err.with_traceback(None)
 
     def _found(self, key: bytes, priority: int) -> np.ndarray | _Work | None:
         """Where an input's rows come from if not from new work: the cache's rows, or the work queued or

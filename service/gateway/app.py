@@ -118,6 +118,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         resp = error_response(err, dialect_of(request))
         if isinstance(err, RequestTimeout):
             resp.force_close()  # the rest of a late body will not be read: the connection ends here
+        # Answered: its traceback goes, since the frames it holds hold what raised it (the future a
+        # refused request awaited holds the error): a cycle the collector would trace, per refusal.
+        err.__traceback__ = None
         return resp
     except web.HTTPException as exc:
         if exc.status < 400:
