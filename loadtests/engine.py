@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import gc
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -155,6 +155,18 @@ class Client:
 
 
 @contextlib.asynccontextmanager
+async def alongside(work: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Run ``work`` as a task while the block runs; it is cancelled, and awaited, when the block ends."""
+    task = asyncio.create_task(work)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.asynccontextmanager
 async def collector_aside(every_s: float = FREEZE_EVERY_S) -> AsyncIterator[None]:
     """Keep the garbage collector's full passes off a run's clock.
 
@@ -177,13 +189,10 @@ async def collector_aside(every_s: float = FREEZE_EVERY_S) -> AsyncIterator[None
             await asyncio.sleep(every_s)
             gc.freeze()
 
-    task = asyncio.create_task(keep())
     try:
-        yield
+        async with alongside(keep()):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         if frozen_before == 0:
             gc.unfreeze()
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import TextIO
 
-from coalesce.loadtests.engine import Recorder
+from coalesce.loadtests.engine import Recorder, alongside
 
 _WIDTH = 24
 
@@ -38,13 +38,10 @@ class Progress:
         if not self._enabled:
             yield
             return
-        task = asyncio.create_task(self._draw(label, rec, t0, total))
         try:
-            yield
+            async with alongside(self._draw(label, rec, t0, total)):
+                yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             self._stream.write("\n")
             self._stream.flush()
 
