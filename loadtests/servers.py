@@ -2,7 +2,7 @@
 
 Used by ``coalesce loadtest compare``, ``coalesce plan`` calibration, the bench script and the real
 integration test. Each server runs in its own process group, so stopping it ends whatever it spawned
-and nothing else, and at a lower priority than this process (:data:`SERVER_NICENESS`).
+and nothing else.
 """
 
 from __future__ import annotations
@@ -24,16 +24,6 @@ from pathlib import Path
 
 # `coalesce serve` exits with argparse's status 2 on flags it does not know.
 USAGE_ERROR = 2
-
-# Servers under test run this much nicer than the process that starts them, the load generator's
-# (``nice``, which every thread they start inherits). The generator stands for clients on other
-# machines, whose requests arrive on time whatever the server is doing, and open-loop latency counts
-# from each request's scheduled send; on a machine whose cores a loaded server fills, the generator
-# waited for a core (a dispatch lag p99 of 20-73 ms in every phase of a soak with its collector kept
-# off the clock) and that wait was charged to the server. It needs the same CPU either way (a tenth of
-# a core at the soak's rates); at a higher priority it takes it when its sends are due, not after a
-# server thread's slice. The server's threads keep their shares among themselves.
-SERVER_NICENESS = 5
 
 
 class ServerError(RuntimeError):
@@ -177,9 +167,6 @@ def running(spec: ServerSpec, log_dir: Path, ready_timeout_s: float = 300.0) -> 
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{spec.name}.log"
     argv = [a.replace("{port}", str(port)) for a in spec.argv]
-    nice = shutil.which("nice")
-    if nice is not None:
-        argv = [nice, "-n", str(SERVER_NICENESS), *argv]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             argv,

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-from pathlib import Path
 
 import pytest
 from aiohttp import web
-from coalesce.loadtests import servers
 from coalesce.loadtests.engine import Recorder
 from coalesce.loadtests.results import RunResult
 from coalesce.loadtests.scenario import Mode, Runner, Scenario, Target, summarize_step
-from coalesce.loadtests.selftest import stub_spec
 from coalesce.loadtests.stub import StubConfig, serve
 from coalesce.loadtests.workload import Mix
 
@@ -206,11 +202,3 @@ async def test_timeouts_and_malformed_answers_are_failures(client: str) -> None:
             assert step.by_status == {outcome: 5} and step.error_rate == 1.0 and step.latency is None
     finally:
         await runner.cleanup()
-
-
-def test_a_server_under_test_runs_at_a_lower_priority_than_the_generator(tmp_path: Path) -> None:
-    # The generator stands for clients elsewhere, whose sends are on time: on cores a loaded server
-    # fills, it must not wait behind the server's threads for its turn (that wait counts as latency).
-    with servers.running(stub_spec(), tmp_path, 30) as srv:
-        ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, srv.proc.pid) == min(19, ours + servers.SERVER_NICENESS)
