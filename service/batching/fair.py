@@ -99,6 +99,13 @@ class Entry(msgspec.Struct, eq=False):
         """Whether :meth:`FairQueue.add` has taken it (it may have left the queue since)."""
         return self._flow is not None
 
+    @property
+    def fresh(self) -> bool:
+        """Whether it joined while the queue was split (:meth:`FairQueue.split_off`) and waits among
+        those that go before the backlog."""
+        flow = self._flow
+        return flow is not None and flow.fresh
+
 
 _Key = tuple[float, float, int, "_Flow"]  # (start tag, finish tag, join order, flow)
 _Part = TypeVar("_Part", "_Class", "_Tenant")

@@ -360,6 +360,20 @@ class Scheduler:
         batch = [window[i] for i in picked]
         padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
         predicted = self.cost.predict(padded)
+        if split and len(batch) > 1 and window[0].fresh and self.admission.on:
+            # Split (the queue stands, not yet confirmed an overload), a batch anchored by what joined
+            # since leaves out the backlog's inputs that it would finish past the bound. Length grouping
+            # took them beside the anchor, ahead of fresh inputs of other lengths: on the VM most of a
+            # soak's 2x phase's slowest requests were such inputs, admitted as a burst just before the
+            # queue stood and served, past the bound, just before it was confirmed (when they would
+            # have been dropped late). They wait on: dropped late once the overload is confirmed,
+            # served once no fresh input waits, or in order once a burst stops arriving.
+            since = start + predicted - self.admission.config.max_queue_wait_s  # (arrived before: past it)
+            kept = [e for e in batch if e.fresh or e.arrival >= since]
+            if len(kept) < len(batch):
+                batch = kept
+                padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
+                predicted = self.cost.predict(padded)
         if promoted:
             self._promoted_s += predicted
         elif batch[0].bulk:
