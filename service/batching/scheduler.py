@@ -368,8 +368,7 @@ class Scheduler:
             # queue stood and served, past the bound, just before it was confirmed (when they would
             # have been dropped late). They wait on: dropped late once the overload is confirmed,
             # served once no fresh input waits, or in order once a burst stops arriving.
-            since = start + predicted - self.admission.config.max_queue_wait_s  # (arrived before: past it)
-            kept = [e for e in batch if e.fresh or e.arrival >= since]
+            kept = self._fresh_and_within_bound(batch, start + predicted)
             if len(kept) < len(batch):
                 batch = kept
                 padded = self.padded_cost(len(batch), max(e.n_tokens for e in batch))
@@ -383,6 +382,12 @@ class Scheduler:
         self.inflight += 1
         self.busy_until = start + predicted
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)
+
+    def _fresh_and_within_bound(self, batch: list[Entry], finish: float) -> list[Entry]:
+        """Of a split queue's batch anchored by a fresh input and finishing at ``finish``, the fresh
+        inputs and the backlog's that it finishes within the bound (see :meth:`_next`)."""
+        since = finish - self.admission.config.max_queue_wait_s  # (arrived before it: past the bound)
+        return [e for e in batch if e.fresh or e.arrival >= since]
 
     def _tier(self) -> None:
         """The regime changed (:meth:`.overload.Regime.observe` calls this): while the queue stands and

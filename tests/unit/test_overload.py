@@ -69,9 +69,10 @@ def test_overload_of_mixed_lengths_is_judged_on_the_padded_rate_the_model_serves
     arrivals = own_flows(poisson(1.6 * padded_capacity, 20.0, random.Random(5),
                                  tokens=lambda rng: rng.randint(4, 28)))
     res = simulate(shedding(), arrivals, A, B, measure_from=2.0)
-    # It knows it stands, early and nearly throughout (arrivals this close to the rate dip below it
-    # for moments, and so does the regime).
-    assert regime_at(res, 3.0) and standing_share(res, 2.0, 20.0) >= 0.85
+    # It knows it stands, early and most of the time (arrivals this close to the rate dip below it for
+    # moments, and so does the regime; a little more often since a fresh input's batch leaves the
+    # backlog past the bound out, at the same p99 and share refused).
+    assert regime_at(res, 3.0) and standing_share(res, 2.0, 20.0) >= 0.8
     assert res.pct(0.99) <= TARGET * 1.05
     # The excess is refused, not queued: about 15% arrive beyond what is served.
     assert refused(res) >= 0.12 * len(arrivals)
@@ -446,10 +447,12 @@ def test_double_phases_keep_the_target_on_a_machine_whose_forwards_run_slow_in_s
     # The same load on a machine like the 2-core VM the soak runs on: 30% of forwards run half as long
     # again, in spells of four. Each 2x phase's first half second is admitted as a burst, before the
     # queue can stand; served oldest first, that backlog ran past the bound while the queue stood
-    # unconfirmed (past 1.1x the target: the in-order run below). Served newest first
-    # from the moment the queue's head grows old with no overload known (FairQueue.newest_first), what
-    # is served makes the bound, and what could not is what confirmation then drops late: no more
-    # requests go unserved (the same goodput), and the tail is the steady state's.
+    # unconfirmed (past 1.1x the target: the in-order run below, which also lets a fresh input's batch
+    # carry the backlog's inputs past the bound, as the scheduler once did). Served newest first from
+    # the moment the queue's head grows old with no overload known (FairQueue.newest_first), with those
+    # left out of fresh inputs' batches (Scheduler._fresh_and_within_bound), what is served makes the
+    # bound, and what could not is what confirmation then drops late: no more requests go unserved (the
+    # same goodput), and the tail is the steady state's.
     def run() -> tuple[float, int]:
         res = simulate(shedding(), _soak_load(seed), A, B, seed=seed, spikes=(0.3, 1.5), spell=4)
         waits = _double_phase_waits(res)
@@ -459,6 +462,7 @@ def test_double_phases_keep_the_target_on_a_machine_whose_forwards_run_slow_in_s
     assert p99 <= TARGET * 1.02, p99
     monkeypatch.setattr(FairQueue, "newest_first", property(lambda self: False, lambda self, on: None),
                         raising=False)
+    monkeypatch.setattr(Scheduler, "_fresh_and_within_bound", lambda self, batch, finish: batch)
     in_order, served_in_order = run()
     assert in_order > TARGET * 1.1 and served >= 0.99 * served_in_order, (in_order, served, served_in_order)
 
@@ -496,17 +500,18 @@ def test_a_standing_queue_is_confirmed_an_overload_after_a_whole_interval() -> N
 
 @pytest.mark.parametrize("arrivals_go_on", [True, False], ids=["overload", "burst"])
 def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(arrivals_go_on: bool) -> None:
-    # Two hundred one-input requests admitted as a burst, then the queue stands (not yet confirmed an
-    # overload): what it admits now goes first, then the burst's backlog, newest first (the onset of
-    # an overload and a burst look alike: its oldest could no longer make the bound anyway). A whole
-    # interval on, arrivals still coming: an overload, the queue folds back into one fair order and the
-    # backlog, past the bound, is answered late. Arrivals stopped instead: a burst draining, its backlog
-    # served, in order again (arrivals no longer outpace the model).
+    # Two hundred one-input requests admitted as a burst over 0.6 s, then the queue stands (not yet
+    # confirmed an overload): what it admits now goes first, then the burst's backlog, newest first (the
+    # onset of an overload and a burst look alike: its oldest could no longer make the bound anyway),
+    # as much of it as the batch finishes within the bound. A whole interval on, arrivals still coming:
+    # an overload, the queue folds back into one fair order and the backlog, past the bound, is
+    # answered late. Arrivals stopped instead: a burst draining, its backlog served, in order again
+    # (arrivals no longer outpace the model).
     cost = CostModel()
     for n in (16, 256, 1024):
         cost.observe(n, A + B * n)
     s = Scheduler(shedding(), cost, lambda n, m: n * m)
-    burst = [Entry(TOKENS, 0.0, flow=("burst", i)) for i in range(200)]
+    burst = [Entry(TOKENS, 0.003 * i, flow=("burst", i)) for i in range(200)]
     for e in burst:
         s.add([e])
     s.regime.asked(100_000, 0.2)
@@ -521,6 +526,9 @@ def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(
     batch = step.decision.batch
     served = batch[5:]
     assert batch[:5] == fresh and served == burst[::-1][: len(served)]
+    # Some of the backlog rides, none past the bound, and the batch had room for more.
+    assert served and all(0.75 + step.decision.predicted_s - e.arrival <= 0.5 for e in served)
+    assert len(batch) < 64
     left = burst[: len(burst) - len(served)]
     s.done(step.decision.padded_tokens, 0.2, 0.95)
     if arrivals_go_on:
@@ -532,6 +540,39 @@ def test_a_queue_that_stands_unconfirmed_serves_what_it_admits_before_its_burst(
     else:
         assert not s.standing and not step.late
         assert isinstance(step.decision, Dispatch) and step.decision.batch[0] is left[0]
+
+
+def test_a_fresh_input_s_batch_leaves_the_backlog_past_the_bound_to_wait_not_to_ride() -> None:
+    # The queue stands, not yet confirmed an overload, and a burst's inputs wait in its backlog, every
+    # one past the bound. Length grouping would fill a fresh query's batch with those of its length,
+    # ahead of the fresh input of another length, and serve them past the bound just before the
+    # overload is confirmed (when they would be dropped late): most of the soak's slowest requests on
+    # the VM. Each fresh input's batch leaves them out; once no fresh input waits, they run.
+    cost = CostModel()
+    for n in (16, 256, 1024):
+        cost.observe(n, A + B * n)
+    s = Scheduler(shedding(), cost, lambda n, m: n * m)
+    burst = [Entry(TOKENS, 0.0, flow=("burst", i)) for i in range(100)]
+    for e in burst:
+        s.add([e])
+    s.regime.asked(100_000, 0.2)
+    assert not s.regime.observe(0.2)
+    s.regime.asked(100_000, 0.75)
+    assert s.regime.observe(0.75) and not s.regime.confirmed(0.75)
+    fresh = [Entry(TOKENS, 0.75, flow=("since", 0)), Entry(4 * TOKENS, 0.75, flow=("since", 1))]
+    for e in fresh:
+        s.add([e])
+    batches = []
+    for now in (0.75, 0.76, 0.77):
+        step = s.next(now)
+        assert isinstance(step.decision, Dispatch) and not step.late and not s.regime.confirmed(now)
+        batches.append(step.decision.batch)
+        s.done(step.decision.padded_tokens, 0.005, now + 0.005)
+    ran = [(bool(set(b) & set(fresh)), bool(set(b) & set(burst))) for b in batches]
+    assert (True, True) not in ran  # no batch carried both
+    assert sum(len(b) for b, (f, _) in zip(batches, ran, strict=True) if f) == len(fresh)
+    first_burst = ran.index((False, True))  # the backlog ran, unconfirmed still, nothing fresh waiting
+    assert all(f for f, _ in ran[:first_burst])
 
 
 def test_a_queue_that_was_about_to_stand_but_did_not_leaves_no_memory_of_standing() -> None:
