@@ -56,13 +56,15 @@ class Tail(msgspec.Struct):
     latency p99 (from their scheduled send), as means. ``queue_ms`` and ``forward_ms`` are what the
     server's headers say (``x-queue-time``, ``x-inference-time``); ``outside_ms`` is the rest of each
     one's latency: the generator's send, the time before the server stamped its head, tokenising, and
-    the response's way back (an event loop busy with other requests shows here)."""
+    the response's way back (an event loop busy with other requests shows here). ``first_s``: how many
+    of them were due in the step's first second (a soak's phase: an overload's onset)."""
 
     count: int
     latency_ms: float
     queue_ms: float
     forward_ms: float
     outside_ms: float
+    first_s: int = 0
 
 
 class Cost(msgspec.Struct):

@@ -175,7 +175,7 @@ def summarize_step(
         batch=batch,
         cost=cost(cost_per_hour, achieved, achieved_inputs) if cost_per_hour is not None else None,
         refusals_without_retry_after=bare_refusals,
-        tail=tail(rec, ok_idx, latency.p99_ms) if latency is not None else None,
+        tail=tail(rec, ok_idx, latency.p99_ms, start) if latency is not None else None,
         timeline=timeline(
             [rec.sched[i] for i in idx],
             [rec.done[i] - rec.sched[i] for i in idx],
@@ -186,20 +186,22 @@ def summarize_step(
     )
 
 
-def tail(rec: engine.Recorder, ok_idx: Sequence[int], p99_ms: float) -> Tail | None:
+def tail(rec: engine.Recorder, ok_idx: Sequence[int], p99_ms: float, start: float = 0.0) -> Tail | None:
     """:class:`Tail` of the good responses ``ok_idx`` whose latency is at least ``p99_ms``, among those
-    that carried the server's timings (None if none did)."""
+    that carried the server's timings (None if none did); ``start``: the step's start (offset)."""
     rows = []
+    first_s = 0
     for i in ok_idx:
         latency_ms = (rec.done[i] - rec.sched[i]) * 1e3
         queue_ms, forward_ms = rec.queue_ms[i], rec.infer_ms[i]
         if latency_ms >= p99_ms and not (math.isnan(queue_ms) or math.isnan(forward_ms)):
             rows.append((latency_ms, queue_ms, forward_ms))
+            first_s += rec.sched[i] - start < 1.0
     if not rows:
         return None
     n = len(rows)
     latency_ms, queue_ms, forward_ms = (sum(column) / n for column in zip(*rows, strict=True))
-    return Tail(n, latency_ms, queue_ms, forward_ms, latency_ms - queue_ms - forward_ms)
+    return Tail(n, latency_ms, queue_ms, forward_ms, latency_ms - queue_ms - forward_ms, first_s)
 
 
 class Runner:

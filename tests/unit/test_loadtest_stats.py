@@ -156,3 +156,20 @@ def test_bucket_quantile_edges() -> None:
     assert promtext.bucket_quantile([], 0.5) is None
     assert promtext.bucket_quantile([(1.0, 0.0), (float("inf"), 10.0)], 0.5) == 1.0
     assert promtext.bucket_quantile([(1.0, 10.0), (2.0, 20.0)], 0.75) == pytest.approx(1.5)
+
+
+def test_a_step_s_slowest_requests_say_how_many_were_due_in_its_first_second() -> None:
+    # A soak's 2x phase whose onset is slow: of the slowest 1%, those due in its first second are
+    # counted (an overload's start, told apart from a tail spread over the phase).
+    from coalesce.loadtests.engine import Recorder
+    from coalesce.loadtests.scenario import summarize_step
+
+    rec = Recorder()
+    for k in range(1000):
+        due = 30.0 + k * 0.01  # the step runs 30-40 s into the run
+        # Five slow ones at its start, three mid-step, the rest quick (slower towards the end).
+        latency = 0.9 if k < 5 else 0.95 if k in (500, 501, 502) else 0.05 + k * 1e-4
+        rec.add(due, due, due + latency, 200, 1, 50.0, 40.0)
+    step = summarize_step(rec, label="soak 2", mode="alternate", window=(30.0, 40.0), offered_rps=100.0,
+                          concurrency=None)
+    assert step.tail is not None and step.tail.count >= 8 and step.tail.first_s == 5
