@@ -32,6 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return loadtest_cli.loadtest_main(rest) if command == "loadtest" else loadtest_cli.plan_main(rest)
 
 
+def set_switch_interval(ms: float) -> float:
+    """Set Python's switch interval to ``ms`` (0: leave Python's); returns the one in effect, in ms
+    (``--switch-interval-ms``: why)."""
+    if ms > 0:
+        sys.setswitchinterval(ms / 1e3)
+    return round(sys.getswitchinterval() * 1e3, 3)
+
+
 def _serve(argv: list[str]) -> int:
     # Tokenisation has its own thread; the tokenizers library's parallel pool would spin on the cores
     # the forward and the event loop need (it cost closed-loop throughput on a 2-core machine). Set
@@ -59,11 +67,13 @@ def _serve(argv: list[str]) -> int:
 
     memory = prepare(settings.allocator, argv)
     kernel_caches = bound_kernel_caches(settings.cpu_kernel_cache)  # before torch builds a kernel
+    switch_interval_ms = set_switch_interval(settings.switch_interval_ms)  # before any thread starts
     from .logs import configure, get_logger
 
     process = {"engine": "engine", "gateway": f"gateway-{settings.worker_id}"}.get(settings.role)
     configure(settings.log_level, settings.log_format, process)
-    get_logger("coalesce.allocator").info("allocator", **memory.fields(), kernel_caches=kernel_caches)
+    get_logger("coalesce.allocator").info("allocator", **memory.fields(), kernel_caches=kernel_caches,
+                                          switch_interval_ms=switch_interval_ms)
     if settings.workers == settings_mod.WORKERS_AUTO:  # (the supervisor passes its children a count)
         import dataclasses
 

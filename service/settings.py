@@ -240,6 +240,15 @@ class Settings:
         "environment win for torch.",
         default=64,
     )
+    switch_interval_ms: float = _knob(
+        "Python's switch interval in this process (sys.setswitchinterval): how long a thread that waits "
+        "for the interpreter lock waits before the running one is asked to drop it. The forward's thread "
+        "drops the lock inside each operator and takes it back between them; while the event loop runs "
+        "Python without pause (a flood being refused, an engine reading many gateways' messages), each "
+        "take-back waited up to Python's default of 5 ms, and the forward ran slower by as much "
+        "(python -m coalesce.loadtests.lock_contention; BENCHMARKS.md). 0: Python's default.",
+        default=0.5,
+    )
     cuda_graphs: bool = _knob(
         "Replay CUDA graphs captured per (batch, sequence) cell for BERT-family models, cutting kernel "
         "launch overhead at small batches; costs capture time at start-up and some GPU memory.",
@@ -712,6 +721,8 @@ def _validate(s: Settings) -> None:
         problems.append("port must be 1..65535")
     if s.allocator not in ALLOCATORS:
         problems.append("allocator must be auto, jemalloc, glibc or system")
+    if s.switch_interval_ms < 0:
+        problems.append("switch_interval_ms must be >= 0 (0: Python's default)")
     if s.cpu_kernel_cache < 0:
         problems.append("cpu_kernel_cache must be >= 0 (0: the libraries' defaults)")
     if s.log_format not in ("json", "console"):

@@ -1,0 +1,116 @@
+"""How long the forward takes while the event loop's thread runs Python, by Python's switch interval.
+
+    python -m coalesce.loadtests.lock_contention [--rows 64] [--tokens 14] [--busy 0,0.5,0.9,1]
+                                                 [--intervals-ms 5,1,0.5] [--rounds 3] [--forwards 6]
+
+The server runs each forward on a thread of its own (the device thread) beside the event loop's. The
+forward releases the interpreter lock inside each operator and takes it back between them; while the
+other thread runs Python, taking it back waits until that thread is asked to drop it, which Python does
+only after its *switch interval* (``sys.setswitchinterval``, 5 ms by default). Under a flood that the
+event loop refuses, or an engine's loop busy with many gateways' messages, that thread runs Python
+almost without pause.
+
+This runs the packaged model's forward (the tuned CPU forward, a batch of ``--rows`` rows of at most
+``--tokens`` tokens, as the soak's batches are) on a thread, while the main thread runs Python for
+``busy`` of every 2 ms and sleeps the rest, and prints the median forward per switch interval and busy
+share, and its ratio to the first interval's (Python's default unless told otherwise). Every
+interval takes its turn in each of ``--rounds`` rounds, the order reversed every other round (a shared
+VM drifts). The busy thread also takes CPU, which no switch interval gives back: on a machine of two
+cores a fully busy thread leaves the forward's two threads one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PERIOD_S = 0.002  # the busy thread's cycle: Python for a share of it, asleep for the rest
+
+
+def _runner(rows: int, tokens: int) -> tuple[Any, Any]:
+    import torch
+    from coalesce.kernels.fastload import build_fast_encoder_runner
+    from coalesce.kernels.st_runner import default_model_path
+
+    runner = build_fast_encoder_runner(default_model_path(), name=None, device="cpu", dtype="float32",
+                                       cpu_fast_forward=True)
+    assert runner is not None
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(max(1, tokens // 3), tokens + 1, (rows,), generator=g).tolist()
+    lengths[0] = tokens
+    ids = [torch.randint(1000, 20000, (max(0, n - 2),), generator=g).tolist() for n in lengths]
+    prepared = runner.prepare([runner.with_special_tokens(row) for row in ids])
+    for _ in range(3):
+        runner.forward(prepared)
+    return runner, prepared
+
+
+def forwards_beside(forward: Callable[[], object], busy: float, interval_s: float, n: int) -> list[float]:
+    """Seconds of ``n`` forwards run on a thread while this thread runs Python for ``busy`` of every
+    :data:`PERIOD_S`, under switch interval ``interval_s`` (restored after)."""
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(interval_s)
+    times: list[float] = []
+
+    def run() -> None:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            forward()
+            times.append(time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, name="forward")
+    try:
+        thread.start()
+        while thread.is_alive():
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < busy * PERIOD_S:
+                sum(range(50))  # Python bytecode, the lock held
+            if busy < 1:
+                time.sleep((1 - busy) * PERIOD_S)
+        thread.join()
+    finally:
+        sys.setswitchinterval(was)
+    return times
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coalesce.loadtests.lock_contention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=14, help="longest row, special tokens included")
+    p.add_argument("--busy", default="0,0.5,0.9,1", help="the other thread's busy shares, comma-separated")
+    p.add_argument("--intervals-ms", default="5,1,0.5", help="switch intervals, comma-separated; the "
+                   "first is what the others are compared with")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--forwards", type=int, default=6, help="forwards per interval per round")
+    args = p.parse_args(argv)
+    busy_shares = [float(b) for b in args.busy.split(",")]
+    intervals = [float(i) / 1e3 for i in args.intervals_ms.split(",")]
+    import torch
+
+    runner, prepared = _runner(args.rows, args.tokens)
+    print(f"{args.rows} rows x <= {args.tokens} tokens, {torch.get_num_threads()} threads; median "
+          f"forward ms over {args.rounds} interleaved rounds of {args.forwards}, the other thread busy "
+          f"for a share of every {PERIOD_S * 1e3:g} ms")
+    heads = [f"{i * 1e3:g} ms" for i in intervals]
+    print(f"{'busy':>5} " + " ".join(f"{h:>9}" for h in heads) + "   " +
+          " ".join(f"{h + ' ÷ ' + heads[0]:>14}" for h in heads[1:]))
+    for busy in busy_shares:
+        times: dict[float, list[float]] = {i: [] for i in intervals}
+        for r in range(args.rounds):
+            for interval in intervals if r % 2 == 0 else reversed(intervals):
+                times[interval] += forwards_beside(lambda: runner.forward(prepared), busy, interval,
+                                                   args.forwards)
+        med = [statistics.median(times[i]) * 1e3 for i in intervals]
+        print(f"{busy:5.2f} " + " ".join(f"{m:9.1f}" for m in med) + "   " +
+              " ".join(f"{m / med[0]:13.2f}×" for m in med[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
