@@ -24,7 +24,9 @@ import torch
 ROUNDS = 7  # interleaved wall-time rounds per runner
 
 
-def _runner(dtype: str, *, eager: bool, tuned: bool) -> Any:
+def build_runner(dtype: str, *, eager: bool, tuned: bool) -> Any:
+    """The packaged model's runner: eager sentence-transformers, or the graph-safe one; ``tuned``: the
+    tuned CPU forward."""
     from coalesce.kernels.st_runner import SentenceTransformerRunner, default_model_path
 
     if eager:
@@ -36,6 +38,19 @@ def _runner(dtype: str, *, eager: bool, tuned: bool) -> Any:
                                        cpu_fast_forward=tuned)
     assert runner is not None
     return runner
+
+
+def ragged_lengths(rows: int, tokens: int, g: torch.Generator) -> list[int]:
+    """``rows`` random lengths from a third of ``tokens`` to ``tokens`` (special tokens included), the
+    first of them ``tokens``: a ragged batch like the service's."""
+    lengths: list[int] = torch.randint(max(1, tokens // 3), tokens + 1, (rows,), generator=g).tolist()
+    lengths[0] = tokens
+    return lengths
+
+
+def ragged_ids(lengths: Sequence[int], g: torch.Generator) -> list[list[int]]:
+    """Random token ids for rows of ``lengths`` (room left for the two special tokens)."""
+    return [torch.randint(1000, 20000, (max(0, n - 2),), generator=g).tolist() for n in lengths]
 
 
 def _ops(runner: Any, prepared: Any, repeat: int) -> dict[str, float]:
@@ -67,14 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="the eager sentence-transformers runner")
     args = p.parse_args(argv)
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(max(1, args.tokens // 3), args.tokens + 1, (args.rows,), generator=g).tolist()
-    lengths[0] = args.tokens
+    lengths = ragged_lengths(args.rows, args.tokens, g)
     shown = not args.plain  # the tuned forward's operators, or the plain one's
     runs: dict[tuple[str, bool], tuple[Any, Any]] = {}
     for dtype in ("float32", "bfloat16"):
-        ids = [torch.randint(1000, 20000, (max(0, n - 2),), generator=g).tolist() for n in lengths]
+        ids = ragged_ids(lengths, g)
         for tuned in (False, True):
-            runner = _runner(dtype, eager=args.eager, tuned=tuned)
+            runner = build_runner(dtype, eager=args.eager, tuned=tuned)
             prepared = runner.prepare([runner.with_special_tokens(row) for row in ids])
             for _ in range(5):
                 runner.forward(prepared)

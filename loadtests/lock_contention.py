@@ -33,17 +33,13 @@ PERIOD_S = 0.002  # the busy thread's cycle: Python for a share of it, asleep fo
 
 
 def _runner(rows: int, tokens: int) -> tuple[Any, Any]:
+    """The packaged model's tuned float32 runner and a ragged batch prepared for it, warmed up."""
     import torch
-    from coalesce.kernels.fastload import build_fast_encoder_runner
-    from coalesce.kernels.st_runner import default_model_path
+    from coalesce.loadtests.forward_ops import build_runner, ragged_ids, ragged_lengths
 
-    runner = build_fast_encoder_runner(default_model_path(), name=None, device="cpu", dtype="float32",
-                                       cpu_fast_forward=True)
-    assert runner is not None
+    runner = build_runner("float32", eager=False, tuned=True)
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(max(1, tokens // 3), tokens + 1, (rows,), generator=g).tolist()
-    lengths[0] = tokens
-    ids = [torch.randint(1000, 20000, (max(0, n - 2),), generator=g).tolist() for n in lengths]
+    ids = ragged_ids(ragged_lengths(rows, tokens, g), g)
     prepared = runner.prepare([runner.with_special_tokens(row) for row in ids])
     for _ in range(3):
         runner.forward(prepared)

@@ -186,7 +186,7 @@ def summarize_step(
     )
 
 
-def tail(rec: engine.Recorder, ok_idx: Sequence[int], p99_ms: float, start: float = 0.0) -> Tail | None:
+def tail(rec: engine.Recorder, ok_idx: Sequence[int], p99_ms: float, start: float) -> Tail | None:
     """:class:`Tail` of the good responses ``ok_idx`` whose latency is at least ``p99_ms``, among those
     that carried the server's timings (None if none did); ``start``: the step's start (offset)."""
     rows = []

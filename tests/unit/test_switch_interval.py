@@ -22,14 +22,14 @@ def _restore() -> Iterator[None]:
 
 
 def test_the_server_sets_its_switch_interval_and_zero_leaves_python_s() -> None:
-    assert build([]).switch_interval_ms == 0.5
-    assert set_switch_interval(build(["--switch-interval-ms", "0.5"]).switch_interval_ms) == 0.5
+    assert build([], environ={}).switch_interval_ms == 0.5
+    assert set_switch_interval(build(["--switch-interval-ms", "0.5"], environ={}).switch_interval_ms) == 0.5
     assert sys.getswitchinterval() == pytest.approx(0.0005)
     sys.setswitchinterval(0.005)
     python_s = build([], environ={"COALESCE_SWITCH_INTERVAL_MS": "0"}).switch_interval_ms
     assert set_switch_interval(python_s) == 5.0
     with pytest.raises(SystemExit, match="switch_interval_ms"):
-        build(["--switch-interval-ms", "-1"])
+        build(["--switch-interval-ms", "-1"], environ={})
 
 
 def test_the_contention_probe_times_each_forward_and_puts_the_interval_back() -> None:
