@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 import traceback
@@ -198,6 +199,75 @@ class BatchOutput:
     forward_s: float  # forward + finish on the device thread
 
 
+class LoopShare:
+    """How many threads a torch CPU forward runs on: all of them, or one fewer while the event loop's own
+    thread has been busy more than ``above`` of the time.
+
+    Why: on the CPU the forward's operators run on OpenMP threads, one per core by default, beside the
+    event loop's thread (which reads, answers and, under overload, refuses every request). While that
+    thread is busy most of the time the forward's threads and it want more cores than there are: the
+    kernel keeps taking one of the forward's threads off its core, every operator waits at its end for
+    that one, and the threads that wait spin on the cores the event loop needs. Under an overload four
+    times the capacity of a 2-core machine, where the event loop was busy 0.55-0.62 of the time, a
+    server whose forwards ran on one thread served more than one on two, within its latency target
+    (BENCHMARKS.md, issue 23); at half that load, with the loop busy 0.4 of the time, two threads
+    served more. So the forward leaves the loop a core only while the loop needs most of one.
+
+    :meth:`on_loop` runs on the event loop once a batch (it reads the loop thread's CPU clock) and judges
+    the share over windows of at least :data:`WINDOW_S`, calling ``on_change`` (on the loop) with a new
+    count; :meth:`on_device` runs on the device thread before each forward and sets torch's thread count
+    there when it changed (the count is the calling thread's own: no other thread's forwards or
+    operators change)."""
+
+    WINDOW_S = 1.0
+
+    def __init__(self, cores: int, above: float, set_threads: Callable[[int], object],
+                 clock: Callable[[], float] = time.monotonic,
+                 loop_cpu: Callable[[], float] = time.thread_time) -> None:
+        self.cores = cores
+        self.above = above
+        self.threads = cores  # what the next forward runs on (written on the loop, read on the device thread)
+        self.share = 0.0  # the loop's busy share over the last whole window
+        self._set_threads = set_threads
+        self._clock, self._loop_cpu = clock, loop_cpu
+        self._start, self._start_cpu = clock(), loop_cpu()
+        self._applied = cores
+        self.on_change: Callable[[int], object] | None = None
+
+    def on_loop(self) -> None:
+        """The event loop's thread, once a batch: close the window once it is long enough."""
+        now = self._clock()
+        elapsed = now - self._start
+        if elapsed < self.WINDOW_S:
+            return
+        cpu = self._loop_cpu()
+        self.share = (cpu - self._start_cpu) / elapsed
+        self._start, self._start_cpu = now, cpu
+        threads = self.cores - 1 if self.share > self.above else self.cores
+        if threads != self.threads:
+            self.threads = threads
+            if self.on_change is not None:
+                self.on_change(threads)
+
+    def on_device(self) -> None:
+        """The device thread, before a forward: run it on :attr:`threads`."""
+        threads = self.threads
+        if threads != self._applied:
+            self._set_threads(threads)
+            self._applied = threads
+
+
+def loop_share(device: object, above: float) -> LoopShare | None:
+    """The :class:`LoopShare` for a runner whose forward runs on ``device``: only torch's CPU forward on
+    more than one thread, with ``above`` > 0 (0 turns it off). None elsewhere: a GPU's forward, or a
+    process that has not imported torch (the torch-free runners' thread pools are their own)."""
+    torch = sys.modules.get("torch")
+    if str(device) != "cpu" or above <= 0 or torch is None:
+        return None
+    cores = torch.get_num_threads()
+    return LoopShare(cores, above, torch.set_num_threads) if cores > 1 else None
+
+
 class ModelWorker:
     """Drives one runner: prepare on a CPU thread, forward and finish on the device thread.
 
@@ -209,10 +279,12 @@ class ModelWorker:
     its forward starts.
     """
 
-    def __init__(self, runner: Runner, device: DeviceThread, *, overlap: bool = True) -> None:
+    def __init__(self, runner: Runner, device: DeviceThread, *, overlap: bool = True,
+                 share: LoopShare | None = None) -> None:
         self.runner = runner
         self._device = device
         self._overlap = overlap
+        self.share = share  # (None: the forward's threads are left as they are)
         self._cpu = Lane(f"coalesce-prep-{runner.info.name}")
 
     async def run(self, batch: Sequence[Sequence[int]], kind: OutputKind = OutputKind.POOLED) -> BatchOutput:
@@ -229,6 +301,8 @@ class ModelWorker:
         straight to the device thread, and comes back to the loop once (the batcher's hand-off)."""
         loop = asyncio.get_running_loop()
         answered = self._answered
+        if self.share is not None:
+            self.share.on_loop()
 
         def reply(outcome: BatchOutput | Exception) -> None:  # any thread
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
@@ -262,6 +336,8 @@ class ModelWorker:
 
     def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float]:
         # Device thread only.
+        if self.share is not None:
+            self.share.on_device()
         t0 = time.perf_counter()
         if kind is OutputKind.TOKENS:
             if not self.runner.info.token_embeddings:

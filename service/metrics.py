@@ -287,6 +287,13 @@ class Metrics:
             "coalesce_graph_batches", "Batches served so far, by path (graph replay or eager).",
             ["model", "path"], multiprocess_mode="livesum", registry=r,
         )
+        self.forward_threads = Gauge(
+            "coalesce_forward_threads",
+            "Threads the CPU forward runs on: one fewer than it may while the event loop is busy more "
+            "than --loop-core-share of the time, as of the last batch (absent on a GPU and the torch-free "
+            "backends).",
+            multiprocess_mode="livemax", registry=r,
+        )
         # Lifecycle.
         self.ready = Gauge(
             "coalesce_ready", "1 once models are loaded and warmed, 0 while starting or draining.",

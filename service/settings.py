@@ -240,6 +240,16 @@ class Settings:
         "environment win for torch.",
         default=64,
     )
+    loop_core_share: float = _knob(
+        "On the CPU, the event loop's busy share (of its own thread, over each second) above which a "
+        "torch forward runs on one thread fewer than it may (leaving the loop a core), and at or below "
+        "which on all of them. The forward's threads and a loop busy most of the time want more cores "
+        "than there are: one of them keeps being taken off its core and every operator waits for it. "
+        "At 4x a 2-core machine's capacity (loop busy ~0.6) one thread served more admitted requests "
+        "within the latency target than two; at 2x (loop ~0.4) two did (BENCHMARKS.md, overload "
+        "section). 0 turns it off; no effect on a GPU or the torch-free backends.",
+        default=0.5,
+    )
     switch_interval_ms: float = _knob(
         "Python's switch interval in this process (sys.setswitchinterval): how long a thread that waits "
         "for the interpreter lock waits before the running one is asked to drop it. The forward's thread "
@@ -721,6 +731,8 @@ def _validate(s: Settings) -> None:
         problems.append("port must be 1..65535")
     if s.allocator not in ALLOCATORS:
         problems.append("allocator must be auto, jemalloc, glibc or system")
+    if not 0 <= s.loop_core_share <= 1:
+        problems.append("loop_core_share must be between 0 and 1 (0: off)")
     if s.switch_interval_ms < 0:
         problems.append("switch_interval_ms must be >= 0 (0: Python's default)")
     if s.cpu_kernel_cache < 0:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
-from coalesce.kernels.worker import DeviceThread, ModelWorker
+from coalesce.kernels.worker import DeviceThread, LoopShare, ModelWorker, loop_share
 
 from ..allocator import Trimmer
 from ..batching.batcher import Batcher
@@ -62,6 +62,9 @@ class Engine:
         self.device = DeviceThread(after_batch=self._trimmer.batch_done if self._trimmer else None)
         self.cache = ResultCache(settings.cache_mb << 20)  # shared by every model's batcher
         self.models: list[EngineModel] = []
+        # The forward's CPU threads against the event loop's busy share: one for the device thread, which
+        # every model's forwards share (made with the first torch CPU model).
+        self.share: LoopShare | None = None
         self._closed = False
 
     async def load(self) -> None:
@@ -73,7 +76,13 @@ class Engine:
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
-            worker = ModelWorker(runner, self.device, overlap=depth > 1)
+            if self.share is None:
+                self.share = loop_share(runner.device, settings.loop_core_share)
+                if self.share is not None:
+                    self.share.on_change = self._forward_threads
+                    metrics.forward_threads.set(self.share.threads)
+            worker = ModelWorker(runner, self.device, overlap=depth > 1,
+                                 share=self.share if str(runner.device) == "cpu" else None)
             cost = CostModel()
             # A runner preloaded while the server imported itself comes warmed up, with the seed batches'
             # timings (preload.py): load_s and warmup_s below are then only what the engine waited for
@@ -117,6 +126,13 @@ class Engine:
                 preloaded=preloaded,
             )
         self.record_capture()
+
+    def _forward_threads(self, threads: int) -> None:
+        # (The loop's busy share crossed --loop-core-share: at most once a second.)
+        assert self.share is not None
+        self._metrics.forward_threads.set(threads)
+        log.info("forward_threads", threads=threads, of=self.share.cores,
+                 loop_busy=round(self.share.share, 2))
 
     def record_capture(self) -> None:
         """Graph runners' capture statistics into the gauges (after loading, and then periodically)."""

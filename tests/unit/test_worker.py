@@ -5,13 +5,16 @@ or on it; and batches run in the order they were handed over."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from coalesce.kernels.protocol import OutputKind
-from coalesce.kernels.worker import BatchOutput, DeviceThread, ModelWorker
+from coalesce.kernels.worker import BatchOutput, DeviceThread, LoopShare, ModelWorker, loop_share
 
 from ..fakes import FakeRunner
 
@@ -107,3 +110,124 @@ async def test_a_batch_is_prepared_beside_the_device_only_when_the_device_is_bus
         runner.release.set()
         worker.close()
         device.close()
+
+
+# -- the forward's CPU threads against the event loop's busy share ---------------------------------------
+class _Clocks:
+    """A wall clock and the loop thread's CPU clock that the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def spend(self, wall: float, busy: float) -> None:
+        self.wall += wall
+        self.cpu += wall * busy
+
+
+def _share(clocks: _Clocks, set_threads: list[int], cores: int = 4) -> LoopShare:
+    return LoopShare(cores, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
+
+
+def test_the_forward_leaves_the_loop_a_core_while_the_loop_is_busy_most_of_the_time() -> None:
+    clocks, set_threads, changes = _Clocks(), [], []
+    share = _share(clocks, set_threads)
+    share.on_change = changes.append
+    clocks.spend(0.6, busy=0.9)
+    share.on_loop()
+    share.on_device()
+    assert (share.threads, set_threads) == (4, []), "judged over a whole window, not a moment"
+    clocks.spend(0.6, busy=0.9)
+    share.on_loop()
+    assert share.share == pytest.approx(0.9) and share.threads == 3
+    share.on_device()
+    share.on_device()
+    assert set_threads == [3], "set once, when it changed"
+    clocks.spend(1.0, busy=0.4)  # the flood is over: the loop needs less than half a core
+    share.on_loop()
+    share.on_device()
+    assert set_threads == [3, 4]
+    clocks.spend(1.0, busy=0.5)  # (at the bound: all of them)
+    share.on_loop()
+    share.on_device()
+    assert set_threads == [3, 4] and changes == [3, 4]
+
+
+def test_only_torch_s_cpu_forward_on_several_threads_gets_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_threads: list[int] = []
+    torch = SimpleNamespace(get_num_threads=lambda: 4, set_num_threads=set_threads.append)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    share = loop_share("cpu", 0.5)
+    assert share is not None and (share.cores, share.above, share.threads) == (4, 0.5, 4)
+    assert loop_share("cuda:0", 0.5) is None
+    assert loop_share("cpu", 0.0) is None, "0 turns it off"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert loop_share("cpu", 0.5) is None, "a forward on one thread has none to spare"
+    monkeypatch.delitem(sys.modules, "torch")
+    assert loop_share("cpu", 0.5) is None, "a torch-free process (ONNX Runtime, OpenVINO) is left alone"
+
+
+class _Threads(FakeRunner):
+    """Records torch's thread count as each forward sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, prepared: object) -> object:
+        import torch
+
+        self.seen.append(torch.get_num_threads())
+        return super().forward(prepared)
+
+
+async def test_the_device_thread_s_forwards_run_on_fewer_threads_and_no_other_thread_s_do() -> None:
+    import torch
+
+    clocks = _Clocks()
+    share = LoopShare(2, 0.5, torch.set_num_threads, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
+    runner, device = _Threads(), DeviceThread("test")
+    worker = ModelWorker(runner, device, overlap=False, share=share)
+    main_threads = torch.get_num_threads()
+    try:
+        clocks.spend(1.0, busy=1.0)
+        await worker.run([[1, 5, 2]])
+        clocks.spend(1.0, busy=0.1)
+        await worker.run([[1, 6, 2]])
+        assert runner.seen == [1, 2]
+        assert torch.get_num_threads() == main_threads, "torch's count is the device thread's own"
+    finally:
+        worker.close()
+        device.close()
+
+
+async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge_shows_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from coalesce.service.engine import core
+    from coalesce.service.metrics import Metrics
+    from coalesce.service.settings import build
+
+    clocks, set_threads = _Clocks(), []
+    monkeypatch.setattr(core, "loop_share", lambda device, above: LoopShare(
+        4, above, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu))
+    s = build(["--model", "a=/models/a", "--model", "b=/models/b", "--loop-core-share", "0.6"], environ={})
+    metrics = Metrics()
+    engine = core.Engine(s, metrics, lambda spec: FakeRunner(info=replace(FakeRunner().info, name=spec.name)))
+    await engine.load()
+    try:
+        share = engine.share
+        assert share is not None and share.above == 0.6
+        assert [m.worker.share for m in engine.models] == [share, share], "one device thread, one count"
+
+        def threads() -> float | None:
+            return metrics.registry.get_sample_value("coalesce_forward_threads")
+
+        assert threads() == 4
+        clocks.spend(1.0, busy=0.7)
+        await engine.models[1].worker.run([[1, 5, 2]])
+        assert threads() == 3 and set_threads == [3]
+        clocks.spend(1.0, busy=0.2)
+        await engine.models[0].worker.run([[1, 5, 2]])
+        assert threads() == 4 and set_threads == [3, 4]
+    finally:
+        await engine.close()
