@@ -102,7 +102,8 @@ def overload(args: argparse.Namespace) -> tuple[str, str]:
         # 4× load was CPU taken from the model (the goodput measured the generator as much as the server).
         probe = Scenario(mode=Mode.CLOSED, concurrency=64, duration=10.0, warmup=2.0, mix=Mix.SHORT,
                          client="raw")
-        capacity = _run(srv.url, probe, "capacity", out).achieved_rps
+        probed = _run(srv.url, probe, "capacity", out)
+        capacity = probed.achieved_rps
         for load in LOADS:
             scenario = Scenario(mode=Mode.OPEN, rate=round(load * capacity, 1), duration=args.duration,
                                 warmup=WARMUP_S, mix=Mix.SHORT, timeout=60.0, max_inflight=8192, client="raw")
@@ -117,11 +118,12 @@ def overload(args: argparse.Namespace) -> tuple[str, str]:
         with servers.running(spec, out / "logs", args.ready_timeout) as srv:
             idle["infinity"] = asyncio.run(_idle_burst(srv.url))
             bursts["infinity"] = {**_burst(srv.base_url, seed=2), "429s": "-"}
-    return title, _report(bursts, idle, steps, capacity)
+    return title, _report(bursts, idle, steps, probed)
 
 
 def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]],
-            steps: list[tuple[float, StepResult, float]], capacity: float) -> str:
+            steps: list[tuple[float, StepResult, float]], probed: StepResult) -> str:
+    capacity = probed.achieved_rps
     co, inf = bursts["coalesce"], bursts.get("infinity")
     ratio = (float(co["wall_s"]) / float(inf["wall_s"])) if inf else None  # type: ignore[arg-type]
     burst_rows = [[name, f"{b['failed']} of {b['calls']}", fmt(float(b["wall_s"]), 2),  # type: ignore[arg-type]
@@ -153,7 +155,8 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
                           ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-",
                           fmt(cpu / st.duration_s, 2) if st.duration_s else "-",
                           fmt(per_refusal) if per_refusal is not None and load > 1 else "-",
-                          fmt(st.send_lag.p99_ms if st.send_lag else None)])
+                          fmt(st.send_lag.p99_ms if st.send_lag else None),
+                          *_forward_figures(st, probed)])
         if load >= 2:
             checks.append([f"{load:g}×: admitted p99 (from scheduled send)", f"≤ {TARGET_MS:g} ms",
                            fmt(p99), _met(p99 is not None and p99 <= TARGET_MS)])
@@ -175,10 +178,14 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         "time; event-loop CPU: the server's main thread, which reads, checks and answers every request; "
         "per refusal: its CPU beyond what the admitted requests cost it at 0.5×, over the refusals; "
         "late: the server's refusals (`coalesce_rejected_total`) that were admitted, decoded and tokenised "
-        "first, then dropped at dequeue):\n\n"
+        "first, then dropped at dequeue; model busy: the server's forward seconds over the step's; forward "
+        "tokens/s: padded tokens over forward seconds, ÷ the capacity probe's — with the model busy "
+        "throughout, goodput below capacity is forwards that ran slower per token, on cores shared with "
+        "the event loop and the generator, or more padding):\n\n"
         + markdown_table(["load", "offered/s", "goodput/s", "÷ capacity", "p50 ms", "p99 ms", "refused",
                           "late (of the server's refusals)", "answers", "event-loop CPU s/s",
-                          "event-loop CPU µs per refusal", "generator lag p99 ms"], step_rows)
+                          "event-loop CPU µs per refusal", "generator lag p99 ms", "model busy",
+                          "forward tokens/s ÷ the probe's"], step_rows)
         + "\n\nThe slowest admitted requests taken apart (those at or past each step's p99, means): their "
         "wait for a batch and their batch's forward as the server's `x-queue-time` and `x-inference-time` "
         "say, beside the mean forward of every admitted request, and the rest of their latency (outside: "
@@ -187,6 +194,18 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
                           "forward ms, all admitted", "outside ms"], tail_rows)
         + "\n"
     )
+
+
+def _forward_figures(st: StepResult, probed: StepResult) -> list[str]:
+    """The step's model busy share (forward seconds over the step's) and its forward's padded tokens/s ÷
+    the capacity probe's, from the server's metrics ("-" where they are missing)."""
+    b, p = st.batch, probed.batch
+    if b is None or b.mean_forward_ms is None or not st.duration_s:
+        return ["-", "-"]
+    busy = b.batches * b.mean_forward_ms / 1e3 / st.duration_s
+    ratio = (b.forward_tokens_per_s / p.forward_tokens_per_s
+             if p is not None and b.forward_tokens_per_s and p.forward_tokens_per_s else None)
+    return [f"{busy:.2f}", f"{ratio:.2f}×" if ratio is not None else "-"]
 
 
 def _late_share(st: StepResult) -> str:
