@@ -32,12 +32,14 @@ from typing import Any
 PERIOD_S = 0.002  # the busy thread's cycle: Python for a share of it, asleep for the rest
 
 
-def _runner(rows: int, tokens: int) -> tuple[Any, Any]:
-    """The packaged model's tuned float32 runner and a ragged batch prepared for it, warmed up."""
+def prepared_batch(rows: int, tokens: int, runner: Any = None) -> tuple[Any, Any]:
+    """The packaged model's tuned float32 runner (``runner`` when given) and a ragged batch of ``rows``
+    rows of at most ``tokens`` tokens prepared for it, warmed up."""
     import torch
     from coalesce.loadtests.forward_ops import build_runner, ragged_ids, ragged_lengths
 
-    runner = build_runner("float32", eager=False, tuned=True)
+    if runner is None:
+        runner = build_runner("float32", eager=False, tuned=True)
     g = torch.Generator().manual_seed(0)
     ids = ragged_ids(ragged_lengths(rows, tokens, g), g)
     prepared = runner.prepare([runner.with_special_tokens(row) for row in ids])
@@ -89,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     intervals = [float(i) / 1e3 for i in args.intervals_ms.split(",")]
     import torch
 
-    runner, prepared = _runner(args.rows, args.tokens)
+    runner, prepared = prepared_batch(args.rows, args.tokens)
     print(f"{args.rows} rows x <= {args.tokens} tokens, {torch.get_num_threads()} threads; median "
           f"forward ms over {args.rounds} interleaved rounds of {args.forwards}, the other thread busy "
           f"for a share of every {PERIOD_S * 1e3:g} ms")
