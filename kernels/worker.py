@@ -208,7 +208,7 @@ class LoopShare:
     thread is busy most of the time the forward's threads and it want more cores than there are: the
     kernel keeps taking one of the forward's threads off its core, every operator waits at its end for
     that one, and the threads that wait spin on the cores the event loop needs. Under an overload four
-    times the capacity of a 2-core machine, where the event loop was busy 0.55-0.62 of the time, a
+    times the capacity of a 2-core machine, where the event loop was busy 0.52-0.62 of the time, a
     server whose forwards ran on one thread served more than one on two, within its latency target
     (BENCHMARKS.md, issue 23); at half that load, with the loop busy 0.4 of the time, two threads
     served more. So the forward leaves the loop a core only while the loop needs most of one.
