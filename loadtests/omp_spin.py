@@ -8,8 +8,9 @@ operators, and after the last one of a forward, libgomp's threads spin waiting f
 times by default (milliseconds) before they sleep. In the server the forward's thread shares the cores
 with the event loop (which reads, answers and, under overload, refuses every request), the tokenizer's
 thread and, on a machine of two cores, anything else the host runs: the spin takes their CPU, and a
-spinning thread that the kernel takes off its core holds every later operator of the forward back. The
-server bounds the spin (``--omp-spin-count``); this measures what that costs and gives.
+spinning thread that the kernel takes off its core holds every later operator of the forward back. This
+measures what bounding the spin costs and gives. The server leaves libgomp's default: bounded, a lone
+one-row forward ran slower, alone and beside a busy process (BENCHMARKS.md, 2026-12-06).
 
 Each spin count runs in a process of its own (libgomp reads the variable once, when torch loads it),
 ``default`` leaving libgomp's. Each runs the packaged model's tuned forward on a ragged batch of each

@@ -11,6 +11,7 @@ taken from there, warmed up and with its cost-model seeds measured, instead.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,11 +129,12 @@ class Engine:
         self.record_capture()
 
     def _forward_threads(self, threads: int) -> None:
-        # (The loop's busy share crossed --loop-core-share: at most once a second.)
+        # (The loop's busy share crossed --loop-core-share: at most once a second.) Logged in a context
+        # of its own: the batch that noticed may start in a request's, whose id is no part of this.
         assert self.share is not None
         self._metrics.forward_threads.set(threads)
-        log.info("forward_threads", threads=threads, of=self.share.cores,
-                 loop_busy=round(self.share.share, 2))
+        contextvars.Context().run(log.info, "forward_threads", threads=threads, of=self.share.cores,
+                                  loop_busy=round(self.share.share, 2))
 
     def record_capture(self) -> None:
         """Graph runners' capture statistics into the gauges (after loading, and then periodically)."""

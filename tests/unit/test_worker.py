@@ -1,6 +1,7 @@
 """The model worker's hand-off: a batch's rows, or the exception its runner raised while preparing or
 running it, come back to the event loop, whether the batch is prepared beside the device (pipelined)
-or on it; and batches run in the order they were handed over."""
+or on it; and batches run in the order they were handed over. And the CPU forward's thread count
+against the event loop's busy share (``LoopShare``, ``--loop-core-share``)."""
 
 from __future__ import annotations
 
@@ -124,13 +125,9 @@ class _Clocks:
         self.cpu += wall * busy
 
 
-def _share(clocks: _Clocks, set_threads: list[int], cores: int = 4) -> LoopShare:
-    return LoopShare(cores, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
-
-
 def test_the_forward_leaves_the_loop_a_core_while_the_loop_is_busy_most_of_the_time() -> None:
     clocks, set_threads, changes = _Clocks(), [], []
-    share = _share(clocks, set_threads)
+    share = LoopShare(4, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
     share.on_change = changes.append
     clocks.spend(0.6, busy=0.9)
     share.on_loop()
@@ -198,6 +195,7 @@ async def test_the_device_thread_s_forwards_run_on_fewer_threads_and_no_other_th
     finally:
         worker.close()
         device.close()
+        torch.set_num_threads(main_threads)  # (the count new threads start from is process-wide)
 
 
 async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge_shows_it(
