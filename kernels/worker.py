@@ -227,7 +227,7 @@ class LoopShare:
         self.cores = cores
         self.above = above
         self.threads = cores  # what the next forward runs on (written on the loop, read on the device thread)
-        self.share = 0.0  # the loop's busy share over the last whole window
+        self.busy = 0.0  # the loop's busy share over the last whole window
         self._set_threads = set_threads
         self._clock, self._loop_cpu = clock, loop_cpu
         self._start, self._start_cpu = clock(), loop_cpu()
@@ -241,9 +241,9 @@ class LoopShare:
         if elapsed < self.WINDOW_S:
             return
         cpu = self._loop_cpu()
-        self.share = (cpu - self._start_cpu) / elapsed
+        self.busy = (cpu - self._start_cpu) / elapsed
         self._start, self._start_cpu = now, cpu
-        threads = self.cores - 1 if self.share > self.above else self.cores
+        threads = self.cores - 1 if self.busy > self.above else self.cores
         if threads != self.threads:
             self.threads = threads
             if self.on_change is not None:

@@ -48,6 +48,16 @@ def prepared_batch(rows: int, tokens: int, runner: Any = None) -> tuple[Any, Any
     return runner, prepared
 
 
+def busy_period(share: float) -> None:
+    """One :data:`PERIOD_S`: Python bytecode (the interpreter lock held) for ``share`` of it, asleep for
+    the rest."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < share * PERIOD_S:
+        sum(range(50))
+    if share < 1:
+        time.sleep((1 - share) * PERIOD_S)
+
+
 def forwards_beside(forward: Callable[[], object], busy: float, interval_s: float, n: int) -> list[float]:
     """Seconds of ``n`` forwards run on a thread while this thread runs Python for ``busy`` of every
     :data:`PERIOD_S`, under switch interval ``interval_s`` (restored after)."""
@@ -65,11 +75,7 @@ def forwards_beside(forward: Callable[[], object], busy: float, interval_s: floa
     try:
         thread.start()
         while thread.is_alive():
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < busy * PERIOD_S:
-                sum(range(50))  # Python bytecode, the lock held
-            if busy < 1:
-                time.sleep((1 - busy) * PERIOD_S)
+            busy_period(busy)
         thread.join()
     finally:
         sys.setswitchinterval(was)

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from coalesce.loadtests.lock_contention import PERIOD_S
+from coalesce.loadtests.lock_contention import PERIOD_S, busy_period
 
 LIBGOMP_SPIN = "GOMP_SPINCOUNT"
 
@@ -41,11 +41,7 @@ LIBGOMP_SPIN = "GOMP_SPINCOUNT"
 def _busy(share: float, stop: Any) -> None:
     """Run Python for ``share`` of every :data:`PERIOD_S` until ``stop`` is set (another process)."""
     while not stop.is_set():
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < share * PERIOD_S:
-            sum(range(50))
-        if share < 1:
-            time.sleep((1 - share) * PERIOD_S)
+        busy_period(share)
 
 
 def measure(rows: Sequence[int], tokens: int, busy: Sequence[float], gap_s: float, n: int

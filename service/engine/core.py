@@ -134,7 +134,7 @@ class Engine:
         assert self.share is not None
         self._metrics.forward_threads.set(threads)
         contextvars.Context().run(log.info, "forward_threads", threads=threads, of=self.share.cores,
-                                  loop_busy=round(self.share.share, 2))
+                                  loop_busy=round(self.share.busy, 2))
 
     def record_capture(self) -> None:
         """Graph runners' capture statistics into the gauges (after loading, and then periodically)."""

@@ -135,7 +135,7 @@ def test_the_forward_leaves_the_loop_a_core_while_the_loop_is_busy_most_of_the_t
     assert (share.threads, set_threads) == (4, []), "judged over a whole window, not a moment"
     clocks.spend(0.6, busy=0.9)
     share.on_loop()
-    assert share.share == pytest.approx(0.9) and share.threads == 3
+    assert share.busy == pytest.approx(0.9) and share.threads == 3
     share.on_device()
     share.on_device()
     assert set_threads == [3], "set once, when it changed"
