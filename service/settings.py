@@ -241,10 +241,11 @@ class Settings:
         default=64,
     )
     loop_core_share: float = _knob(
-        "On the CPU, the event loop's busy share (of its own thread, over each second) above which a "
-        "torch forward runs on one thread fewer than it may (leaving the loop a core), and at or below "
-        "which on all of them. The forward's threads and a loop busy most of the time want more cores "
-        "than there are: one of them keeps being taken off its core and every operator waits for it. "
+        "On the CPU, the event loop's busy share (of its own thread, over each second) above which, two "
+        "seconds in a row, a torch forward runs on one thread fewer than it may (leaving the loop a "
+        "core), and at or below which on all of them. The forward's threads and a loop busy most of "
+        "the time want more cores than there are: one of them keeps being taken off its core and "
+        "every operator waits for it. "
         "At 4x a 2-core machine's capacity (loop busy 0.52-0.62) one thread served more admitted "
         "requests within the latency target than two; at 1x and 2x (loop 0.25-0.41) one fewer had "
         "served less in earlier tries (BENCHMARKS.md, overload section). 0 turns it off; no effect on a "

@@ -135,14 +135,22 @@ def test_the_forward_leaves_the_loop_a_core_while_the_loop_is_busy_most_of_the_t
     assert (share.threads, set_threads) == (4, []), "judged over a whole window, not a moment"
     clocks.spend(0.6, busy=0.9)
     share.on_loop()
-    assert share.busy == pytest.approx(0.9) and share.threads == 3
+    assert share.busy == pytest.approx(0.9) and share.threads == 4, "one busy second: an overload's onset"
+    clocks.spend(1.0, busy=0.3)
+    share.on_loop()
+    clocks.spend(1.0, busy=0.9)
+    share.on_loop()
+    assert share.threads == 4, "busy windows apart are not an overload"
+    clocks.spend(1.0, busy=0.8)
+    share.on_loop()
+    assert share.busy == pytest.approx(0.8) and share.threads == 3, "two busy windows in a row"
     share.on_device()
     share.on_device()
     assert set_threads == [3], "set once, when it changed"
     clocks.spend(1.0, busy=0.4)  # the flood is over: the loop needs less than half a core
     share.on_loop()
     share.on_device()
-    assert set_threads == [3, 4]
+    assert set_threads == [3, 4], "given back after one quiet window"
     clocks.spend(1.0, busy=0.5)  # (at the bound: all of them)
     share.on_loop()
     share.on_device()
@@ -186,11 +194,12 @@ async def test_the_device_thread_s_forwards_run_on_fewer_threads_and_no_other_th
     worker = ModelWorker(runner, device, overlap=False, share=share)
     main_threads = torch.get_num_threads()
     try:
-        clocks.spend(1.0, busy=1.0)
-        await worker.run([[1, 5, 2]])
+        for _ in range(LoopShare.ABOVE_WINDOWS):
+            clocks.spend(1.0, busy=1.0)
+            await worker.run([[1, 5, 2]])
         clocks.spend(1.0, busy=0.1)
         await worker.run([[1, 6, 2]])
-        assert runner.seen == [1, 2]
+        assert runner.seen[-2:] == [1, 2]
         assert torch.get_num_threads() == main_threads, "torch's count is the device thread's own"
     finally:
         worker.close()
@@ -222,8 +231,10 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
 
         assert threads() == 4
         clocks.spend(1.0, busy=0.7)
+        await engine.models[0].worker.run([[1, 5, 2]])
+        clocks.spend(1.0, busy=0.7)
         await engine.models[1].worker.run([[1, 5, 2]])
-        assert threads() == 3 and set_threads == [3]
+        assert threads() == 3 and set_threads == [3], "the two models' batches judged as one loop's"
         clocks.spend(1.0, busy=0.2)
         await engine.models[0].worker.run([[1, 5, 2]])
         assert threads() == 4 and set_threads == [3, 4]
