@@ -25,7 +25,10 @@ them pass the early check only to be refused — or admitted and dropped late �
 and tokenised. So a request that passes :meth:`Admitter.precheck` is *held*: counted ahead of later
 checks of its class and the more urgent ones' (never of a more urgent request's, so a held ``low``
 flood does not refuse a ``high`` query) until :meth:`Admitter.admit` takes its tokens back, or for
-:data:`HOLD_S` at most (a request that fails before admission is not waited for).
+:data:`HOLD_S` at most (a request that fails before admission is not waited for). A request that
+carries its :class:`Hold` to admission (the check from its head, ``gateway/shed.py``) has that hold
+ended whole, and counts only the holds taken before its own; others release the oldest hold of their
+class by their real tokens.
 
 The predicted wait is fair-queue aware (:meth:`.fair.FairQueue.tokens_ahead`): a flood of one tenant
 or of ``low`` requests does not count against a ``high`` query or another tenant's, so a refused flood
@@ -52,6 +55,16 @@ from .policy import PaddedCost
 # docstring): longer than a tokenising turn takes under load; what a failed request leaves behind
 # counts no longer than this.
 HOLD_S = 0.5
+
+
+class Hold(list[float]):
+    """One request's hold, from its check before tokenising to its admission: [when, tokens (what is
+    left of them), priority class, tokens per input]; empty: the check held nothing. The request carries
+    it to :meth:`Admitter.admit`, which ends it whole: released by count instead (the oldest of the
+    class), a hold on an estimate above the request's real tokens outlived it, and a flood of them, each
+    leaving its excess for :data:`HOLD_S`, refused everyone behind a queue that was not there."""
+
+    __slots__ = ()
 
 # The drain pace (see :meth:`Admitter.drained`): over the last DRAIN_SPAN batches that finished with
 # work waiting, seconds between completions ÷ their measured forwards, once DRAIN_AFTER are in; within
@@ -98,7 +111,7 @@ class Admitter:
         self.drain_pace = 1.0
         # Requests that passed precheck and are not admitted yet: [when, tokens, priority, tokens per
         # input], oldest first; tokens shrink as admissions release them (inputs with them, at that size).
-        self._held: deque[list[float]] = deque()
+        self._held: deque[Hold] = deque()
         self._held_tokens = [0.0] * len(PRIORITIES)  # held tokens by priority class
         self._held_inputs = [0.0] * len(PRIORITIES)  # and the inputs they are
         self.regime = Regime(config.queue_target_s, config.queue_interval_s)
@@ -145,9 +158,11 @@ class Admitter:
         weight: float = 1.0,
         priority: int = 1,
         arrived: float | None = None,
+        held: Hold | None = None,
     ) -> Refusal | None:
         """None if a request of these inputs may queue now; else why not. ``arrived``: when its head
-        arrived (``now`` if unknown), so the wait before admission counts."""
+        arrived (``now`` if unknown), so the wait before admission counts. ``held``: the hold its
+        check took (:meth:`precheck`), released whole; None: the oldest hold of its class, by count."""
         lengths = list(tokens)
         total = sum(lengths)
         cfg = self.config
@@ -160,13 +175,20 @@ class Admitter:
             )
         self.regime.asked(total, now)
         self.regime.capacity = self.capacity()
-        self._release(total, priority)  # its own hold, if it had one: it is in the queue from now
+        # Its own hold, if it had one: it is in the queue from now.
+        if held is None:
+            self._release(total, priority)
+        else:
+            self.unhold(held)
         refusal = self.check_room(tenant, total, now)
         ahead = None
         if refusal is None and self.on:
             ahead = self._queue.tokens_ahead(tenant, weight, priority, lengths[0])
+            # Held room counts ahead of it; for a request that held its own, only the holds taken before
+            # its own (those taken since were judged with it ahead of them).
+            holds = self._held_before(priority, now, held[0]) if held else self._held_ahead(priority, now)
             refusal = self._check_wait(lengths[0], total, len(lengths), tenant, weight, priority, now,
-                                       arrived, ahead, self._held_ahead(priority, now))
+                                       arrived, ahead, holds)
         if refusal is not None or deadline is None:
             return refusal
         if ahead is None or len(lengths) > 1:  # (one input: what is ahead of its first is ahead of all)
@@ -235,11 +257,15 @@ class Admitter:
                 return False
         return True
 
-    def admitted(self, tokens: Sequence[int], now: float) -> None:
+    def admitted(self, tokens: Sequence[int], now: float, holds: Sequence[Hold] = (),
+                 held_tokens: int = 0) -> None:
         """The requests of a message join the queue on :meth:`admits_all`'s word, ``tokens[p]`` tokens
-        of class ``p``: what :meth:`admit` records of their admissions (their arrival, their holds
-        released, the oldest of each class first, as one by one)."""
-        self.regime.asked(sum(tokens), now)
+        of class ``p`` without a hold of their own and ``held_tokens`` with one (``holds``): what
+        :meth:`admit` records of their admissions (their arrival, their holds released: their own
+        whole, the others the oldest of each class first, as one by one)."""
+        self.regime.asked(sum(tokens) + held_tokens, now)
+        for held in holds:
+            self.unhold(held)
         if self._held:
             for priority, count in enumerate(tokens):
                 if count:
@@ -248,21 +274,34 @@ class Admitter:
     def precheck(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
         arrived: float, now: float, *, hold: bool = True,
-    ) -> Refusal | None:
+    ) -> Refusal | Hold:
         """Before tokenising: refuse a request of about ``total`` tokens in ``inputs`` inputs (its
         first about ``first``) that the queue bounds or the regime would refuse. The counts are
         estimates, so callers err low; :meth:`admit` decides again on the real ones. One that passes
-        is held (see the module's docstring) unless ``hold`` is False (a check made again later)."""
+        is held (see the module's docstring) unless ``hold`` is False (a check made again later): its
+        :class:`Hold` (empty when nothing is held), which :meth:`admit` releases whole when given it."""
         refusal = self.check_room(tenant, 1, now)
         if refusal is None and self.on:
             refusal = self._check_wait(first, total, inputs, tenant, weight, priority, now, arrived)
         if refusal is not None:
             self.regime.asked(total, now)  # it never reaches admit(), which counts the others
-        elif hold and self.on and total > 0:
-            self._held.append([now, float(total), float(priority), total / max(inputs, 1)])
+            return refusal
+        if hold and self.on and total > 0:
+            held = Hold([now, float(total), float(priority), total / max(inputs, 1)])
+            self._held.append(held)
             self._held_tokens[priority] += total
             self._held_inputs[priority] += max(inputs, 1)
-        return refusal
+            return held
+        return Hold()
+
+    def unhold(self, held: Hold) -> None:
+        """A request is being admitted with the hold its check took: that hold ends, whole (what the
+        others' releases by count left of it)."""
+        if held and held[1] > 0:
+            priority, tokens = int(held[2]), held[1]
+            held[1] = 0.0
+            self._held_tokens[priority] -= tokens
+            self._held_inputs[priority] -= tokens / held[3]
 
     def _held_ahead(self, priority: int, now: float) -> tuple[int, float]:
         """Held tokens that a request of ``priority`` counts ahead of it, and the inputs they are: its
@@ -278,6 +317,19 @@ class Admitter:
             inputs_by[:] = [0.0] * len(inputs_by)
             return 0, 0.0
         return int(sum(tokens_by[: priority + 1])), max(sum(inputs_by[: priority + 1]), 0.0)
+
+    def _held_before(self, priority: int, now: float, since: float) -> tuple[int, float]:
+        """:meth:`_held_ahead`, of the holds taken before ``since`` only."""
+        if not self._held_ahead(priority, now)[0]:  # (drops the expired ones)
+            return 0, 0.0
+        tokens, inputs = 0.0, 0.0
+        for at, left, cls, size in self._held:
+            if at >= since:
+                break
+            if cls <= priority and left > 0:
+                tokens += left
+                inputs += left / size
+        return int(tokens), inputs
 
     def _release(self, tokens: int, priority: int) -> None:
         """A request of ``priority`` and ``tokens`` tokens is being admitted: its hold (the oldest of

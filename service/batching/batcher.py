@@ -33,7 +33,7 @@ from ..logs import get_logger
 from ..metrics import Metrics, observe_all, observe_one
 from .cache import ResultCache
 from .policy import padding_ratio
-from .scheduler import DEFAULT_TENANT, PRIORITIES, Dispatch, Entry, Refusal, Scheduler, Wait
+from .scheduler import DEFAULT_TENANT, PRIORITIES, Dispatch, Entry, Hold, Refusal, Scheduler, Wait
 
 log = get_logger("coalesce.batcher")
 
@@ -89,6 +89,7 @@ class Submission(msgspec.Struct, eq=False):
     # A plain query's one sequence as int32 bytes, when the sender has them at hand (the engine, from
     # the gateway's frame: ``messages.unpack_submit``), so its ``input_key`` is not packed again; b"": none.
     raw: bytes = b""
+    held: Hold | None = None  # the hold its check before tokenising took (check_room), released on admission
 
 
 class Ticket(msgspec.Struct, eq=False):
@@ -312,18 +313,21 @@ class Batcher:
     def check_room(
         self, tenant: str = DEFAULT_TENANT, *, weight: float = 1.0, priority: int = 1,
         arrived: float | None = None, first: int = 1, total: int = 1, inputs: int = 1, hold: bool = True,
-    ) -> None:
+    ) -> Hold:
         """Refuse at once, before any tokenising, a request of about ``total`` tokens in ``inputs``
         inputs (the first of about ``first``) that the queue bounds or the queue's regime would refuse,
         or any while the server is draining: a flood costs no CPU beyond this check. Estimates: err low.
-        ``hold``: one that passes counts ahead of later ones until admitted (``Admitter.precheck``)."""
+        ``hold``: one that passes counts ahead of later ones until admitted (``Admitter.precheck``);
+        the :class:`Hold` it returns goes with the request (``Submission.held``), whose admission ends
+        it."""
         self._refuse_if_closing()
         now = time.monotonic()
-        refusal = self.scheduler.precheck(first, total, inputs, tenant, weight, priority,
+        checked = self.scheduler.precheck(first, total, inputs, tenant, weight, priority,
                                           now if arrived is None else arrived, now, hold=hold)
-        if refusal is not None:
-            self._metrics.rejected.labels(self.model, refusal.reason).inc()
-            raise refusal_error(refusal, self.model)
+        if isinstance(checked, Refusal):
+            self._metrics.rejected.labels(self.model, checked.reason).inc()
+            raise refusal_error(checked, self.model)
+        return checked
 
     def _refuse_if_closing(self) -> None:
         if self._closing:
@@ -394,10 +398,13 @@ class Batcher:
         hits, shared, fresh = self._sort(r)
         if fresh:
             refusal = self.scheduler.admit([len(seqs[p[0]]) for p in fresh.values()], r.tenant, r.deadline,
-                                           now, weight=r.weight, priority=r.priority, arrived=arrived)
+                                           now, weight=r.weight, priority=r.priority, arrived=arrived,
+                                           held=r.held)
             if refusal is not None:
                 self._metrics.rejected.labels(self.model, refusal.reason).inc()
                 raise refusal_error(refusal, self.model)
+        elif r.held:
+            self.scheduler.admission.unhold(r.held)  # (every input cached or in flight: nothing queues)
         counts = [0, 0, 0]
         job, entries = self._join(r, arrived, reply, hits, shared, fresh, counts)
         self._count(counts)
@@ -455,7 +462,9 @@ class Batcher:
         out: list[Ticket | CoalesceError] = []
         added: list[tuple[list[Entry], int]] = []
         counts = [0, 0, 0]
-        by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class
+        by_class = [0] * len(PRIORITIES)  # the admitted tokens of each class, of requests without a hold
+        holds: list[Hold] = []  # the holds of those with one, and their tokens
+        held_tokens = 0
         last = len(by_class) - 1
         pooled, join_one = OutputKind.POOLED, self._join_one
         for r, f in zip(requests, replies, strict=True):
@@ -465,16 +474,21 @@ class Batcher:
             else:
                 hits, shared, fresh = self._sort(r)
                 job, entries = self._join(r, arrived, f, hits, shared, fresh, counts)
+            if r.held is not None:
+                holds.append(r.held)  # (ended whether or not anything of it queues)
             if entries:
                 added.append((entries, len(r.seqs)))
                 # (no generator for the common one-input request: the engine's lock under load, 2026-12-04)
                 tokens = entries[0].n_tokens if len(entries) == 1 else sum(e.n_tokens for e in entries)
-                p = r.priority
-                by_class[p if 0 <= p <= last else (0 if p < 0 else last)] += tokens
+                if r.held is None:
+                    p = r.priority
+                    by_class[p if 0 <= p <= last else (0 if p < 0 else last)] += tokens
+                else:
+                    held_tokens += tokens
             out.append(job)
         self._count(counts)
-        if added:
-            sched.admitted(by_class, now)
+        if added or holds:
+            sched.admitted(by_class, now, holds, held_tokens)
             sched.add_many(added)
             self._idle.clear()
             self._wake.set()

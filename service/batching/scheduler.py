@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from .admit import AdmissionConfig, Admitter, Refusal
+from .admit import AdmissionConfig, Admitter, Hold, Refusal
 from .cost import CostModel
 from .fair import DEFAULT_TENANT, IDLE_TENANTS_KEPT, PRIORITIES, Entry, FairQueue
 from .overload import ARRIVAL_WINDOW_S
@@ -193,10 +193,11 @@ class Scheduler:
         weight: float = 1.0,
         priority: int = 1,
         arrived: float | None = None,
+        held: Hold | None = None,
     ) -> Refusal | None:
         """None if a request of these inputs may queue now; else why not (:meth:`Admitter.admit`)."""
         return self.admission.admit(tokens, tenant, deadline, now, weight=weight, priority=priority,
-                                    arrived=arrived)
+                                    arrived=arrived, held=held)
 
     def admits_all(
         self, total: int, inputs: int, shortest: int, longest: int, widest: int, arrived: float,
@@ -206,15 +207,16 @@ class Scheduler:
         return self.admission.admits_all(total, inputs, shortest, longest, widest, arrived, deadline, tenants,
                                          now)
 
-    def admitted(self, tokens: Sequence[int], now: float) -> None:
-        """A message's requests admitted on :meth:`admits_all`'s word, tokens by class
-        (:meth:`Admitter.admitted`)."""
-        self.admission.admitted(tokens, now)
+    def admitted(self, tokens: Sequence[int], now: float, holds: Sequence[Hold] = (),
+                 held_tokens: int = 0) -> None:
+        """A message's requests admitted on :meth:`admits_all`'s word, tokens by class, and the holds
+        some took with their tokens (:meth:`Admitter.admitted`)."""
+        self.admission.admitted(tokens, now, holds, held_tokens)
 
     def precheck(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
         arrived: float, now: float, *, hold: bool = True,
-    ) -> Refusal | None:
+    ) -> Refusal | Hold:
         """Before tokenising, on estimated counts (:meth:`Admitter.precheck`)."""
         return self.admission.precheck(first, total, inputs, tenant, weight, priority, arrived, now,
                                        hold=hold)

@@ -14,11 +14,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from ..batching.admit import Hold
 from ..batching.scheduler import DEFAULT_TENANT, PRIORITIES
 from ..errors import InvalidRequest
 from .auth import TENANT, TENANT_RE
 from .guard import arrived
 from .state import SETTINGS
+
+# The check from the head (``shed``) passed this request and holds its room in the queue
+# (``Admitter.precheck``; an empty hold where nothing is held): the route does not check again before
+# tokenising; admission decides on the real counts and ends the hold.
+HELD: web.RequestKey[Hold] = web.RequestKey("held")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +35,7 @@ class Admission:
     timeout_s: float
     deadline: float  # on time.monotonic()
     arrived: float  # when the request's head arrived, on time.monotonic()
+    held: Hold | None = None  # its room's hold since the check from its head (HELD); None: not checked
 
 
 def admission(request: web.Request) -> Admission:
@@ -65,4 +72,5 @@ def admission(request: web.Request) -> Admission:
             )
         timeout = min(timeout, cap)
     start = arrived(request)
-    return Admission(tenant, weight, PRIORITIES[raw_priority], timeout, start + timeout, start)
+    return Admission(tenant, weight, PRIORITIES[raw_priority], timeout, start + timeout, start,
+                     request.get(HELD))

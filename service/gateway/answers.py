@@ -1,13 +1,19 @@
 """What a request is answered with outside its route: an error in its dialect, and its request id.
 
 Shared by the middlewares that answer a request themselves: ``errors`` and ``observe`` (``app``) for
-every request, ``shed`` for a refusal decided from the head before either runs.
+every request, ``shed`` for a refusal decided from the head before either runs; and, as whole HTTP
+responses in bytes (:func:`raw_response`), by the connection's own answers (``guard``), written before
+aiohttp makes a request of what arrived.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
+from collections.abc import Mapping
+from email.utils import formatdate
+from http import HTTPStatus
 
 from aiohttp import web
 
@@ -30,3 +36,24 @@ def error_response(err: CoalesceError, dialect: Dialect) -> web.Response:
     """``err`` answered as ``dialect``'s clients expect it."""
     rendered = render(err, dialect)
     return json_response(rendered.body, status=rendered.status, headers=rendered.headers)
+
+
+_date: tuple[int, str] = (0, "")
+
+
+def raw_response(status: int, body: bytes, headers: Mapping[str, str], *, close: bool) -> bytes:
+    """A whole HTTP/1.1 response with a JSON ``body``: for answers a connection writes itself. ``close``:
+    the connection ends after it (``Connection: close``); else it is kept alive, and the answer carries
+    the ``Date`` aiohttp's own answers do."""
+    global _date
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
+             f"Content-Length: {len(body)}"]
+    if close:
+        lines.append("Connection: close")
+    else:
+        now = int(time.time())
+        if _date[0] != now:  # (formatted once a second, as aiohttp does)
+            _date = (now, formatdate(now, usegmt=True))
+        lines.append(f"Date: {_date[1]}")
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -48,12 +48,12 @@ from .auth import KEYS, KeyRing, authenticate
 from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
-from .guard import body_too_large, read_body
+from .guard import HEAD_ANSWER, body_too_large, read_body
 from .llm_pairs import check_instructions
 from .models import MODELS, ModelRegistry
 from .responses import json_response
 from .routing import ROUTES, add_route, dialect_of
-from .shed import QUEUED_PATHS, shed
+from .shed import QUEUED_PATHS, head_refusal, shed
 from .state import LIFECYCLE, METRICS, SETTINGS, Handler, Lifecycle, Phase
 
 log = get_logger("coalesce.gateway")
@@ -221,6 +221,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     tei_meta.add_routes(app)  # /info, /tokenize, /decode (TEI's errors)
     docs.add_routes(app)  # /docs and its assets
     app[QUEUED_PATHS] = frozenset(d.path for d in app[ROUTES] if d.doc.queued and d.method == "POST")
+    app[HEAD_ANSWER] = head_refusal(app)  # (the connection's own refusals: guard.GuardedSite)
     openapi.publish(app)  # /openapi.json, built from every route above: keep it last
     return app
 

@@ -31,7 +31,7 @@ from coalesce.kernels.tokens import TokenizerAdapter, TokenSpan
 from coalesce.kernels.worker import Lane
 
 from .. import tracing
-from ..batching.admit import AdmissionConfig, Refusal, judge_wait
+from ..batching.admit import AdmissionConfig, Hold, Refusal, judge_wait
 from ..batching.batcher import Batcher, RequestResult, Submission, refusal_error, settle_tag
 from ..batching.fair import DEFAULT_TENANT
 from ..batching.overload import RetryPacer
@@ -190,12 +190,13 @@ class ServedModel:
 
     # -- running -------------------------------------------------------------------------------------
     def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
-                   hold: bool = True) -> None:
+                   hold: bool = True) -> Hold:
         """Raise (429, 503) when the model cannot take a request of about ``total`` tokens in
         ``inputs`` inputs (the first of about ``first``) now, before any tokenising (estimates: err
         low; the model decides again on the real counts). ``hold``: one that passes is counted ahead
-        of the next ones until it is admitted (``Admitter.precheck``); False for a check made again
-        later for the same request (``shed``'s, from the head, before the route's)."""
+        of the next ones until it is admitted (``Admitter.precheck``); returns its :class:`Hold`
+        (empty: nothing held). A request with ``adm.held`` passed the check from its head (``shed``),
+        which holds its room until it is admitted: it is not checked again."""
         raise NotImplementedError
 
     @property
@@ -279,9 +280,12 @@ class LocalModel(ServedModel):
         return self._batcher.scheduler.standing
 
     def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
-                   hold: bool = True) -> None:
-        self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority, arrived=adm.arrived,
-                                 first=first, total=total, inputs=inputs, hold=hold)
+                   hold: bool = True) -> Hold:
+        if adm.held is not None:
+            return adm.held  # (checked from its head, its room held: admission decides on the real counts)
+        return self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority,
+                                        arrived=adm.arrived, first=first, total=total, inputs=inputs,
+                                        hold=hold)
 
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None
@@ -295,7 +299,7 @@ class LocalModel(ServedModel):
         if not self._turn:
             loop.call_soon(self._hand_over_turn)
         self._turn.append(Submission(seqs, fut, adm.tenant, adm.weight, adm.priority, adm.deadline, kind,
-                                     adm.arrived, link))
+                                     adm.arrived, link, held=adm.held))
         return fut
 
     def _hand_over_turn(self) -> None:
@@ -340,8 +344,13 @@ class RemoteModel(ServedModel):
         return report is not None and report[0].standing
 
     def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
-                   hold: bool = True) -> None:
+                   hold: bool = True) -> Hold:
         self._client.check_open()
+        if adm.held is None:  # (else checked from its head: the engine decides on the real counts)
+            self._check(adm, first, total)
+        return Hold()  # (a gateway holds nothing: the engine's admission judges the turn's requests)
+
+    def _check(self, adm: Admission, first: int, total: int) -> None:
         report = self._client.report(self._index)
         if report is None:
             return

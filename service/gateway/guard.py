@@ -35,6 +35,11 @@ What aiohttp lacks, added here:
   before a handler runs (the event loop, then the body) is where latency hides. Each connection stamps
   the first bytes of a request head with the event loop's time of that turn (:func:`arrived`), so
   admission counts every wait from then (``coalesce.service.batching.admit``).
+* **answers from the connection** (:data:`HEAD_ANSWER`): for each request aiohttp makes a request object,
+  a task, a writer and a response, and runs the middlewares, which is most of what a request refused
+  from its head costs (``shed``). While the connection has nothing else in progress, a request whose
+  head and body have arrived whole is offered to the app's answer first, on the parsed message; what
+  it answers is written at once and never reaches aiohttp, keep-alive kept.
 * **the descriptor limit**: :class:`GuardedSite` raises the soft ``RLIMIT_NOFILE`` to the hard one when
   it starts, and :func:`connection_cap` lowers the cap to keep a reserve for the process's own files and
   sockets and for refusals in flight.
@@ -47,13 +52,16 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from http import HTTPStatus
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
+from ..batching.admit import Hold
 from ..dialects import Dialect, render
 from ..errors import (
     CoalesceError,
@@ -67,9 +75,15 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..schemas import encoder
 from ..settings import Settings
+from .answers import raw_response
 from .state import METRICS, SETTINGS, Handler
 
 log = get_logger("coalesce.guard")
+
+# A connection's own answer to a request from its parsed head and complete body (an HTTP response in
+# bytes), or None to hand the request to aiohttp as usual; set by ``create_app`` (``shed.head_refusal``).
+HeadAnswer = Callable[[RawRequestMessage, StreamReader, "_GuardedHandler"], bytes | None]
+HEAD_ANSWER: web.AppKey[HeadAnswer] = web.AppKey("head_answer")
 
 # After an answer that ends a connection: how long to drop what the client still sends before closing.
 LINGER_S = 2.0
@@ -115,15 +129,7 @@ def _raw_response(err: CoalesceError | None, ok_body: object = None) -> bytes:
     if err is not None:
         rendered = render(err, Dialect.OPENAI)
         status, headers, body = rendered.status, rendered.headers, rendered.body
-    payload = encoder.encode(body)
-    lines = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(payload)}",
-        "Connection: close",
-        *(f"{name}: {value}" for name, value in headers.items()),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload
+    return raw_response(status, encoder.encode(body), headers, close=True)
 
 
 def _linger(transport: asyncio.Transport) -> asyncio.TimerHandle:
@@ -166,15 +172,56 @@ class Connections:
             log.warning("connection_cap_reached", cap=self.cap)
 
 
+def _slots(cls: type) -> set[str]:
+    return {name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())}
+
+
+# What the connection's own answers rely on in aiohttp's handler (3.10 on): without it, aiohttp answers all.
+_CAN_ANSWER = {"_parser", "_messages", "_request_count", "_keepalive", "_next_keepalive_close_time",
+               "_keepalive_timeout"} <= _slots(RequestHandler)
+
+
+def _nothing() -> None:
+    pass
+
+
+class _AnsweringParser:
+    """aiohttp's request parser, with the requests the connection answered itself taken out of what it
+    hands aiohttp (:meth:`_GuardedHandler._answer_heads`); everything else is the parser's own."""
+
+    def __init__(self, parser: Any, handler: _GuardedHandler) -> None:
+        self.parser = parser
+        self._handler = handler
+        # A message the connection answered is one aiohttp will not take from the parser's queue (3.14's
+        # parser counts them, and stops at a bound; earlier ones do not).
+        self.consumed: Callable[[], object] = getattr(parser, "message_consumed", None) or _nothing
+
+    def feed_data(self, data: bytes) -> tuple[Sequence[Any], bool, bytes]:
+        messages, upgraded, tail = self.parser.feed_data(data)
+        if messages:
+            messages = self._handler._answer_heads(messages)
+        return messages, upgraded, tail
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
+
+
 class _GuardedHandler(RequestHandler):
-    """aiohttp's connection handler with a head deadline, 431 for oversized heads, and a lingering close
-    after a refused head."""
+    """aiohttp's connection handler with a head deadline, 431 for oversized heads, a lingering close
+    after a refused head, and the app's own answers from a parsed head (``answer``: :data:`HEAD_ANSWER`)."""
 
     def __init__(
         self, manager: web.Server, *, connections: Connections, header_timeout: float, timed_out: bytes,
-        **kwargs: Any,
+        answer: HeadAnswer | None = None, **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **kwargs)
+        self._answer = answer if _CAN_ANSWER else None
+        self._answered = 0  # requests answered here in this data_received
+        self._finished = 0  # requests aiohttp has answered (of ``_request_count`` handed to it)
+        # The app's answer passed the request aiohttp handles next, and holds its room (``shed``).
+        self.head_held: Hold | None = None
+        if self._answer is not None:
+            self._parser = _AnsweringParser(self._parser, self)  # type: ignore[assignment]  # (its interface)
         self._connections = connections
         self._header_timeout = header_timeout
         self._timed_out = timed_out  # the 408 answer, rendered once per site
@@ -207,14 +254,45 @@ class _GuardedHandler(RequestHandler):
         if self._awaiting_head and self.head_at is None:
             self.head_at = self._loop.time()  # the loop's time of this turn: earlier callbacks' waits count
         parsed = self._request_count
+        self._answered = 0
         super().data_received(data)
         if self._request_count != parsed:  # a head is complete (or refused): its deadline is met
             self._awaiting_head = False
+            self._stop_head_timer()
+        elif self._answered:
+            # Every complete request in it was answered here: the connection waits for the next head, as
+            # after a response. (The first bytes of a head behind them, if any, start its deadline when
+            # more of it comes.)
+            self.head_at = None
             self._stop_head_timer()
         elif self._awaiting_head and self._head_timer is None:
             # The first bytes of a head. (The rest of a head pipelined behind a running request is left
             # to the keep-alive timer, which counts from that request's response.)
             self._head_timer = self._loop.call_later(self._header_timeout, self._head_timed_out)
+
+    def _answer_heads(self, messages: Sequence[Any]) -> Sequence[Any]:
+        """What aiohttp is to handle of the requests just parsed: those from the first that the app's
+        answer leaves to it. Only while nothing else is in progress on the connection (every request
+        handed to aiohttp has been answered), so answers go out in the order their requests came."""
+        transport = cast(asyncio.Transport | None, self.transport)
+        if self._finished != self._request_count or self._messages or transport is None \
+                or transport.is_closing():
+            return messages
+        assert self._answer is not None
+        consumed = cast(_AnsweringParser, self._parser).consumed
+        for i, (message, payload) in enumerate(messages):
+            if not isinstance(message, RawRequestMessage) or not payload.is_eof():
+                return messages[i:]
+            answer = self._answer(message, payload, self)
+            if answer is None:
+                return messages[i:]
+            consumed()
+            transport.write(answer)
+            self._answered += 1
+            # Kept alive, as after any response: the keep-alive timer counts from this one.
+            self._keepalive = True
+            self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+        return ()
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -273,6 +351,7 @@ class _GuardedHandler(RequestHandler):
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         result = await super().finish_response(request, resp, start_time)
+        self._finished += 1
         self._awaiting_head = True
         self.head_at = None
         self._stop_head_timer()
@@ -365,7 +444,7 @@ class GuardedSite(web.BaseSite):
         assert server is not None  # BaseSite refuses a runner that is not set up
         return _GuardedHandler(
             server, connections=self.connections, header_timeout=self._header_timeout,
-            timed_out=self._timed_out, **self._kwargs,
+            timed_out=self._timed_out, answer=self._app.get(HEAD_ANSWER), **self._kwargs,
         )
 
 
@@ -375,6 +454,16 @@ def arrived(request: web.BaseRequest) -> float:
     protocol = request.protocol
     head_at = protocol.head_at if isinstance(protocol, _GuardedHandler) else None
     return now if head_at is None or head_at > now else head_at
+
+
+def held_at_head(request: web.BaseRequest) -> Hold | None:
+    """The hold of ``request``'s room if the app's answer on the connection (:data:`HEAD_ANSWER`)
+    passed it (read once: it is this request's, and cleared); None if it did not judge it."""
+    protocol = request.protocol
+    if isinstance(protocol, _GuardedHandler) and protocol.head_held is not None:
+        held, protocol.head_held = protocol.head_held, None
+        return held
+    return None
 
 
 def body_too_large(limit: int) -> PayloadTooLarge:

@@ -18,6 +18,14 @@ API keys configured it checks the key first, as ``authenticate`` does (and recor
 ``authenticate`` does not hash it again); a request without a valid key, or with a malformed header,
 goes on to the middlewares that answer it (401, 400).
 
+**Answered by the connection** (:func:`head_refusal`, ``guard.HEAD_ANSWER``). Under an overload most
+of a refusal's CPU is aiohttp's, not this check's: a request object, a task, the middleware chain, a
+response and its writer, per refused request. So the connection itself asks first, on the parsed head,
+whenever a request has arrived whole (head and body) on a keep-alive HTTP/1.1 connection with nothing
+else in progress: a refused request is answered there with the same 429 (in bytes, keep-alive kept)
+and never reaches aiohttp. Everything else, and every request the check lets through, goes on to the
+middleware as before. With tracing on, refusals stay with the middleware, whose span records them.
+
 An invalid request refused here is answered 429, not its 4xx: the 4xx comes once the overload passes
 (a body is not validated unread).
 """
@@ -25,16 +33,25 @@ An invalid request refused here is answered 429, not its 4xx: the 4xx comes once
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
 
+from .. import tracing
+from ..batching.admit import Hold
+from ..dialects import Rendered, render
 from ..errors import CoalesceError, InvalidRequest
 from ..logs import get_logger
-from .admission import admission
-from .answers import error_response, request_id
+from ..schemas import encoder
+from .admission import HELD, admission
+from .answers import raw_response, request_id
 from .auth import KEYS, TENANT, bearer_key
 from .facade import ServedModel
+from .guard import HeadAnswer, held_at_head
 from .models import MODELS
+from .responses import json_response
 from .routing import dialect_of
 from .state import METRICS, Handler
 
@@ -50,43 +67,101 @@ BODY_BYTES_PER_TOKEN = 5  # JSON of English text: ~4 characters a word piece, pl
 async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Answer a queued route's request 429 from its head while the queue stands; else pass it on."""
     if request.method == "POST" and request.path in request.app[QUEUED_PATHS]:
+        held = held_at_head(request)
+        if held is not None:  # the connection's check passed it, and holds its room
+            request[HELD] = held
+            return await handler(request)
         models = request.app[MODELS].models
         length = request.content_length
         if len(models) == 1 and length and models[0].standing:
-            refused = _refusal(request, models[0], length)
-            if refused is not None:
-                return refused
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            judged = _judge(request, models[0], length, route)
+            if isinstance(judged, Hold):
+                request[HELD] = judged
+            elif judged is not None:
+                rendered, rid = judged
+                return json_response(rendered.body, status=rendered.status,
+                                     headers={**rendered.headers, "x-request-id": rid})
     return await handler(request)
 
 
-def _refusal(request: web.Request, model: ServedModel, length: int) -> web.Response | None:
-    """The 429 for this request if the standing queue refuses it; None to let the middlewares and the
-    route decide (including for a missing key or a malformed header, which they answer)."""
+def head_refusal(app: web.Application) -> HeadAnswer:
+    """The connection's answer (``guard.HEAD_ANSWER``) to a request that arrived whole: the 429 of a
+    standing queue, as :func:`shed` would answer it, in bytes; None for anything it would pass on, and
+    for a request that wants the connection closed after it (aiohttp's to answer)."""
+    registry = app[MODELS]
+
+    def answer(message: RawRequestMessage, payload: StreamReader, protocol: Any) -> bytes | None:
+        if message.method != "POST" or message.should_close or message.version != HttpVersion11 \
+                or tracing.active is not None or message.path not in app[QUEUED_PATHS]:
+            return None
+        models = registry.models
+        if len(models) != 1 or not models[0].standing:
+            return None
+        try:
+            length = int(message.headers.get("Content-Length", ""))
+        except ValueError:
+            return None
+        if length <= 0:
+            return None
+        judged = _judge(_Head(app, message, protocol), models[0], length, message.path)
+        if isinstance(judged, Hold):
+            protocol.head_held = judged  # (the middleware's to read: aiohttp handles this request next)
+            return None
+        if judged is None:
+            return None
+        rendered, rid = judged
+        return raw_response(rendered.status, encoder.encode(rendered.body),
+                            {**rendered.headers, "x-request-id": rid}, close=False)
+
+    return answer
+
+
+class _Head(dict[Any, Any]):
+    """A request as the checks read it (its app, path, headers, connection, and the values they record
+    on it), for one answered before aiohttp made a request of it."""
+
+    __slots__ = ("app", "headers", "path", "protocol")
+
+    def __init__(self, app: web.Application, message: RawRequestMessage, protocol: Any) -> None:
+        super().__init__()
+        self.app, self.path, self.headers, self.protocol = app, message.path, message.headers, protocol
+
+
+def _judge(request: web.Request | _Head, model: ServedModel, length: int, route: str
+           ) -> tuple[Rendered, str] | Hold | None:
+    """The 429 for this request, rendered, and its request id, if the standing queue refuses it (counted
+    and logged as ``observe`` would). A :class:`Hold`: it passed, and its room is held from now until
+    it is admitted, which ends the hold (the route does not check again: ``admission.HELD``). Checked
+    once, at the head: checked again before tokenising, against a queue that each batch drains and
+    each admission fills, it was a second toss of the coin that a queue held at its bound tosses at
+    every check (most of the heads passed here unheld were refused there or at admission, after their
+    bodies were read and tokenised). None: not judged here (a missing key or a malformed header, which
+    the middlewares answer)."""
     t0 = time.perf_counter()
-    keys = request.app[KEYS]
+    req: web.Request = request  # type: ignore[assignment]  # (a _Head has all that the checks read)
+    keys = req.app[KEYS]
     if keys is not None:
-        key = bearer_key(request, keys)
+        key = bearer_key(req, keys)
         if key is None:
             return None
-        request[TENANT] = (key.tenant, key.weight)
+        req[TENANT] = (key.tenant, key.weight)
     try:
-        adm = admission(request)
+        adm = admission(req)
     except InvalidRequest:
         return None
     total = max(1, length // BODY_BYTES_PER_TOKEN)
     try:
         # The first input's length is unknown: the smallest it can be (a decision that errs towards
         # admitting; the route decides again on the real counts).
-        model.check_room(adm, min(total, model.specials + 1), total, 1, hold=False)  # the route holds
+        held = model.check_room(adm, min(total, model.specials + 1), total, 1)
     except CoalesceError as err:
-        resp = error_response(err, dialect_of(request))
-        rid = request_id(request)
-        resp.headers["x-request-id"] = rid
+        rendered = render(err, dialect_of(req))
+        rid = request_id(req)
         elapsed = time.perf_counter() - t0
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
-        request.app[METRICS].request_done(route, resp.status, elapsed)
-        log.debug("request", request_id=rid, method=request.method, route=route, status=resp.status,
+        req.app[METRICS].request_done(route, rendered.status, elapsed)
+        log.debug("request", request_id=rid, method="POST", route=route, status=rendered.status,
                   ms=round(elapsed * 1e3, 3))
-        return resp
-    return None
+        return rendered, rid
+    return held
