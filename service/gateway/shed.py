@@ -93,11 +93,12 @@ def head_refusal(app: web.Application) -> HeadAnswer:
     registry = app[MODELS]
 
     def answer(message: RawRequestMessage, payload: StreamReader, protocol: Any) -> bytes | None:
-        if message.method != "POST" or message.should_close or message.version != HttpVersion11 \
-                or tracing.active is not None or message.path not in app[QUEUED_PATHS]:
-            return None
         models = registry.models
-        if len(models) != 1 or not models[0].standing:
+        if len(models) != 1 or not models[0].standing:  # (first: the check of every request at other times)
+            return None
+        if message.method != "POST" or message.should_close or message.upgrade \
+                or message.version != HttpVersion11 or tracing.active is not None \
+                or message.path not in app[QUEUED_PATHS]:
             return None
         try:
             length = int(message.headers.get("Content-Length", ""))
