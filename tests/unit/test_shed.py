@@ -169,15 +169,19 @@ async def test_refused_heads_on_an_idle_keep_alive_connection_are_answered_by_it
         assert _handled(served) == before, "none of them reached aiohttp's request handling"
         assert spy.asked == [("default", len(json.dumps(body)) // 5)] * 3 + [
             ("default", len(json.dumps({"inputs": "hello"})) // 5), ("default", len(json.dumps(body)) // 5)]
+        # An Upgrade request is aiohttp's to answer (its parser changes state for it): the same 429.
+        writer.write(_post("/v1/embeddings", body, Connection="Upgrade", Upgrade="websocket"))
+        upgrade = await rawhttp.read_answer(reader, then_eof=False)
+        assert upgrade.status == 429 and _handled(served) == before + 1
         # A request that asks for the connection to close after it is aiohttp's to answer: the same 429.
         writer.write(_post("/v1/embeddings", body, Connection="close"))
         last = await rawhttp.read_answer(reader, then_eof=True)
-        assert last.status == 429 and last.eof and _handled(served) == before + 1
+        assert last.status == 429 and last.eof and _handled(served) == before + 2
     finally:
         writer.close()
     with urllib.request.urlopen(served.url + "/metrics", timeout=10) as resp:
         metrics = resp.read().decode()
-    assert _count(metrics, "/v1/embeddings", "429") == 5 and _count(metrics, "/embed", "429") == 1
+    assert _count(metrics, "/v1/embeddings", "429") == 6 and _count(metrics, "/embed", "429") == 1
 
 
 async def test_a_head_the_check_passes_holds_its_room_until_admission_and_is_not_checked_again(
