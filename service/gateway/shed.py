@@ -6,9 +6,11 @@ is taken from the batches the admitted requests wait for. A route's own check (`
 after the body is read and decoded: cheap for a one-text query, not for a bulk body of megabytes. This
 middleware decides first, on an estimate from the head: the tenant, priority and deadline headers
 (:func:`.admission.admission`) and ``Content-Length`` at :data:`BODY_BYTES_PER_TOKEN` bytes a token (a
-low estimate: JSON's quoting and keys count as text). Only while the one served model's queue stands:
-otherwise, or with several models (the body names which), the route decides after decoding, on the
-real counts, as before. A request it lets through is decided again on those.
+low estimate for long texts: JSON's quoting and keys count as text; for a short query the envelope
+makes it a high one). Only while the one served model's queue stands: otherwise, or with several
+models (the body names which), the route decides after decoding, as before. A request it lets through
+holds its room and is not checked again before tokenising: admission decides on the real counts, and
+ends the hold.
 
 It is the outermost middleware (tracing aside), and answers a refusal itself as ``observe`` and
 ``errors`` would have — the route's error dialect, ``x-request-id``, the request counted in the metrics
@@ -155,7 +157,7 @@ def _judge(request: web.Request | _Head, model: ServedModel, length: int, route:
     total = max(1, length // BODY_BYTES_PER_TOKEN)
     try:
         # The first input's length is unknown: the smallest it can be (a decision that errs towards
-        # admitting; the route decides again on the real counts).
+        # admitting; admission decides again on the real counts).
         held = model.check_room(adm, min(total, model.specials + 1), total, 1)
     except CoalesceError as err:
         rendered = render(err, dialect_of(req))

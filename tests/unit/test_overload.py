@@ -261,10 +261,10 @@ def test_requests_checked_before_tokenising_count_until_admitted() -> None:
 
 
 def test_a_hold_on_an_estimate_above_the_real_tokens_ends_whole_at_admission() -> None:
-    # The check from a request's head estimates its tokens from the body's size, JSON included: above
-    # what the tokenizer finds. Released by count (the oldest holds of the class, by the real tokens),
-    # each admitted request left its excess held for HOLD_S, and a flood of them held the room of a
-    # queue that was not there (in a served overload at 3.4x capacity, goodput fell to a twentieth).
+    # The check from a request's head estimates its tokens from the body's size, JSON included: for a
+    # short query, above what the tokenizer finds. Released by count (the oldest holds of the class, by
+    # the real tokens), each admitted request left its excess held for HOLD_S, and a flood of them held
+    # the room of a queue that was not there: a server refused nearly everyone under a sustained overload.
     # Carried to admission, each request's hold ends whole.
     estimate, real = 2 * TOKENS, TOKENS
     for exact in (True, False):
