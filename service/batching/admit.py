@@ -66,6 +66,7 @@ class Hold(list[float]):
 
     __slots__ = ()
 
+
 # The drain pace (see :meth:`Admitter.drained`): over the last DRAIN_SPAN batches that finished with
 # work waiting, seconds between completions ÷ their measured forwards, once DRAIN_AFTER are in; within
 # DRAIN_BOUNDS (never below 1: it only corrects predictions that run short).

@@ -73,12 +73,11 @@ async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
         if held is not None:  # the connection's check passed it, and holds its room
             request[HELD] = held
             return await handler(request)
-        models = request.app[MODELS].models
         length = request.content_length
-        if len(models) == 1 and length and models[0].standing:
+        if length and (model := _standing(request.app)) is not None:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
-            judged = _judge(request, models[0], length, route)
+            judged = _judge(request, model, length, route)
             if isinstance(judged, Hold):
                 request[HELD] = judged
             elif judged is not None:
@@ -92,11 +91,9 @@ def head_refusal(app: web.Application) -> HeadAnswer:
     """The connection's answer (``guard.HEAD_ANSWER``) to a request that arrived whole: the 429 of a
     standing queue, as :func:`shed` would answer it, in bytes; None for anything it would pass on, and
     for a request that wants the connection closed after it (aiohttp's to answer)."""
-    registry = app[MODELS]
-
     def answer(message: RawRequestMessage, payload: StreamReader, protocol: Any) -> bytes | None:
-        models = registry.models
-        if len(models) != 1 or not models[0].standing:  # (first: the check of every request at other times)
+        model = _standing(app)  # (first: the check every request pays at other times)
+        if model is None:
             return None
         if message.method != "POST" or message.should_close or message.upgrade \
                 or message.version != HttpVersion11 or tracing.active is not None \
@@ -108,7 +105,7 @@ def head_refusal(app: web.Application) -> HeadAnswer:
             return None
         if length <= 0:
             return None
-        judged = _judge(_Head(app, message, protocol), models[0], length, message.path)
+        judged = _judge(_Head(app, message, protocol), model, length, message.path)
         if isinstance(judged, Hold):
             protocol.head_held = judged  # (the middleware's to read: aiohttp handles this request next)
             return None
@@ -119,6 +116,13 @@ def head_refusal(app: web.Application) -> HeadAnswer:
                             {**rendered.headers, "x-request-id": rid}, close=False)
 
     return answer
+
+
+def _standing(app: web.Application) -> ServedModel | None:
+    """The one served model while its queue stands, the only time a request is judged from its head;
+    None otherwise (or with several models: the body names which)."""
+    models = app[MODELS].models
+    return models[0] if len(models) == 1 and models[0].standing else None
 
 
 class _Head(dict[Any, Any]):
