@@ -225,21 +225,34 @@ class LoopShare:
     head check refuses the next ones. A forward on one thread fewer there runs slower just when the queue
     is longest, which is what the admitted requests of that moment wait on; a sustained overload keeps
     the loop busy window after window. Giving back at once costs nothing: the forward runs on every
-    core, as it does at any lighter load."""
+    core, as it does at any lighter load.
+
+    With ``forwards`` (the engine process of ``--workers N``) the share judged is the forward's own:
+    seconds of forwards per second, as :meth:`forwarded` adds them. The requests are read, tokenised and
+    answered by the gateway processes there, so the engine's loop is never busy; but each request and
+    each answer wakes a gateway and the engine's loop, and every such wake-up takes a forward thread off
+    its core for a moment, while the operator waits for it. Under 32 clients on 2 cores the forward of
+    ``--workers 2`` ran each token a third slower than one process's did, on both threads, and served
+    fewer requests than on one (BENCHMARKS.md, engine section). So there the forward leaves the
+    gateways a core while it runs most of the time: when the replica is saturated, not for a lone
+    request."""
 
     WINDOW_S = 1.0
     ABOVE_WINDOWS = 2
 
     def __init__(self, cores: int, above: float, set_threads: Callable[[int], object],
                  clock: Callable[[], float] = time.monotonic,
-                 loop_cpu: Callable[[], float] = time.thread_time) -> None:
+                 loop_cpu: Callable[[], float] = time.thread_time, *, forwards: bool = False) -> None:
         self.cores = cores
         self.above = above
         self.threads = cores  # what the next forward runs on (written on the loop, read on the device thread)
-        self.busy = 0.0  # the loop's busy share over the last whole window
+        self.busy = 0.0  # the judged busy share (the loop's, or with ``forwards`` the forward's) last window
+        self.judged = "forward" if forwards else "loop"
+        self._forward_s = 0.0  # seconds of forwards so far (added on the device thread; ``forwards`` only)
         self._set_threads = set_threads
-        self._clock, self._loop_cpu = clock, loop_cpu
-        self._start, self._start_cpu = clock(), loop_cpu()
+        self._clock = clock
+        self._spent = (lambda: self._forward_s) if forwards else loop_cpu
+        self._start, self._start_cpu = clock(), self._spent()
         self._applied = cores
         self._above = 0  # whole windows in a row the loop was busy more than ``above``
         self.on_change: Callable[[int], object] | None = None
@@ -250,7 +263,7 @@ class LoopShare:
         elapsed = now - self._start
         if elapsed < self.WINDOW_S:
             return
-        cpu = self._loop_cpu()
+        cpu = self._spent()
         self.busy = (cpu - self._start_cpu) / elapsed
         self._start, self._start_cpu = now, cpu
         self._above = self._above + 1 if self.busy > self.above else 0
@@ -260,6 +273,10 @@ class LoopShare:
             if self.on_change is not None:
                 self.on_change(threads)
 
+    def forwarded(self, seconds: float) -> None:
+        """The device thread, after each forward (counted when the forward's share is judged)."""
+        self._forward_s += seconds
+
     def on_device(self) -> None:
         """The device thread, before a forward: run it on :attr:`threads`."""
         threads = self.threads
@@ -268,15 +285,16 @@ class LoopShare:
             self._applied = threads
 
 
-def loop_share(device: object, above: float) -> LoopShare | None:
+def loop_share(device: object, above: float, *, forwards: bool = False) -> LoopShare | None:
     """The :class:`LoopShare` for a runner whose forward runs on ``device``: only torch's CPU forward on
     more than one thread, with ``above`` > 0 (0 turns it off). None elsewhere: a GPU's forward, or a
-    process that has not imported torch (the torch-free runners' thread pools are their own)."""
+    process that has not imported torch (the torch-free runners' thread pools are their own).
+    ``forwards``: judge the forward's busy share, not the loop's (the engine process of ``--workers``)."""
     torch = sys.modules.get("torch")
     if str(device) != "cpu" or above <= 0 or torch is None:
         return None
     cores = torch.get_num_threads()
-    return LoopShare(cores, above, torch.set_num_threads) if cores > 1 else None
+    return LoopShare(cores, above, torch.set_num_threads, forwards=forwards) if cores > 1 else None
 
 
 class ModelWorker:
@@ -359,7 +377,10 @@ class ModelWorker:
             rows = self.runner.finish(self.runner.forward(prepared), prepared)
         if self._device.after_batch is not None:
             self._device.after_batch()
-        return rows, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self.share is not None:
+            self.share.forwarded(seconds)
+        return rows, seconds
 
     def _prepare_and_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> BatchOutput:
         # Device thread only.

@@ -248,8 +248,11 @@ class Settings:
         "every operator waits for it. "
         "At 4x a 2-core machine's capacity (loop busy 0.52-0.62) one thread served more admitted "
         "requests within the latency target than two; at 1x and 2x (loop 0.25-0.41) one fewer had "
-        "served less in earlier tries (BENCHMARKS.md, overload section). 0 turns it off; no effect on a "
-        "GPU or the torch-free backends.",
+        "served less in earlier tries (BENCHMARKS.md, overload section). Under --workers N the engine "
+        "process judges its forward's own busy share instead: the gateways do the requests' work in "
+        "their processes, and their wake-ups take the forward's threads off their cores while the "
+        "replica is saturated (BENCHMARKS.md, engine section). 0 turns it off; no effect on a GPU or "
+        "the torch-free backends.",
         default=0.5,
     )
     switch_interval_ms: float = _knob(

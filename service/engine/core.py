@@ -78,7 +78,8 @@ class Engine:
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
             if self.share is None:
-                self.share = loop_share(runner.device, settings.loop_core_share)
+                self.share = loop_share(runner.device, settings.loop_core_share,
+                                        forwards=settings.role == "engine")
                 if self.share is not None:
                     self.share.on_change = self._forward_threads
                     metrics.forward_threads.set(self.share.threads)

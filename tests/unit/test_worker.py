@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
@@ -214,9 +215,13 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
     from coalesce.service.metrics import Metrics
     from coalesce.service.settings import build
 
-    clocks, set_threads = _Clocks(), []
-    monkeypatch.setattr(core, "loop_share", lambda device, above: LoopShare(
-        4, above, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu))
+    clocks, set_threads, judged = _Clocks(), [], []
+
+    def loop_share(device: object, above: float, *, forwards: bool = False) -> LoopShare:
+        judged.append(forwards)
+        return LoopShare(4, above, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
+
+    monkeypatch.setattr(core, "loop_share", loop_share)
     s = build(["--model", "a=/models/a", "--model", "b=/models/b", "--loop-core-share", "0.6"], environ={})
     metrics = Metrics()
     engine = core.Engine(s, metrics, lambda spec: FakeRunner(info=replace(FakeRunner().info, name=spec.name)))
@@ -238,5 +243,60 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
         clocks.spend(1.0, busy=0.2)
         await engine.models[0].worker.run([[1, 5, 2]])
         assert threads() == 4 and set_threads == [3, 4]
+        assert judged == [False], "one process judges its loop"
     finally:
         await engine.close()
+    engine = core.Engine(build(["--role", "engine", "--model", "a=/models/a"], environ={}), Metrics(),
+                         lambda spec: FakeRunner())
+    await engine.load()
+    await engine.close()
+    assert judged == [False, True], "the engine process of --workers judges its forwards"
+
+
+def test_the_engine_s_forward_leaves_the_gateways_a_core_while_it_runs_most_of_the_time() -> None:
+    clocks, set_threads = _Clocks(), []
+    share = LoopShare(4, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu,
+                      forwards=True)
+    for _ in range(LoopShare.ABOVE_WINDOWS):
+        clocks.spend(1.0, busy=0.1)  # (the engine's loop: hardly busy, and not what is judged)
+        share.forwarded(0.4)
+        share.forwarded(0.4)
+        share.on_loop()
+    share.on_device()
+    assert share.busy == pytest.approx(0.8) and set_threads == [3], "saturated: one thread fewer"
+    clocks.spend(1.0, busy=0.9)  # a busy loop alone does not take a thread here
+    share.forwarded(0.3)
+    share.on_loop()
+    share.on_device()
+    assert share.busy == pytest.approx(0.3) and set_threads == [3, 4], "a lighter load: every core"
+
+
+class _Slow(FakeRunner):
+    """A forward that takes at least ``seconds``."""
+
+    seconds = 0.02
+
+    def forward(self, prepared: object) -> object:
+        time.sleep(self.seconds)
+        return super().forward(prepared)
+
+
+async def test_the_device_thread_counts_its_forwards_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(LoopShare, "WINDOW_S", 0.1)
+    clocks, set_threads = _Clocks(), []
+    share = LoopShare(2, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu,
+                      forwards=True)
+    device = DeviceThread("test")
+    worker = ModelWorker(_Slow(), device, overlap=False, share=share)
+    try:
+        for _ in range(12):  # each forward busy at least two thirds of the (virtual) time between them
+            await worker.run([[1, 5, 2]])
+            clocks.spend(0.03, busy=0.0)
+        assert share.threads == 1 and share.busy >= 0.6
+        for _ in range(3):
+            await worker.run([[1, 5, 2]])
+            clocks.spend(1.0, busy=0.0)
+        assert share.threads == 2, "idle between forwards: every core again"
+    finally:
+        worker.close()
+        device.close()
