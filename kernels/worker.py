@@ -231,11 +231,10 @@ class LoopShare:
     seconds of forwards per second, as :meth:`forwarded` adds them. The requests are read, tokenised and
     answered by the gateway processes there, so the engine's loop is never busy; but each request and
     each answer wakes a gateway and the engine's loop, and every such wake-up takes a forward thread off
-    its core for a moment, while the operator waits for it. Under 32 clients on 2 cores the forward of
-    ``--workers 2`` ran each token a third slower than one process's did, on both threads, and served
-    fewer requests than on one (BENCHMARKS.md, engine section). So there the forward leaves the
-    gateways a core while it runs most of the time: when the replica is saturated, not for a lone
-    request."""
+    its core for a moment, while the operator waits for it. Under 32 clients on 2 cores ``--workers 2``
+    with its forward on both threads served two thirds of the requests it served with the forward on
+    one (BENCHMARKS.md, engine section). So there the forward leaves the gateways a core while it runs
+    most of the time: when the replica is saturated, not for a lone request."""
 
     WINDOW_S = 1.0
     ABOVE_WINDOWS = 2
