@@ -58,6 +58,13 @@ def busy_period(share: float) -> None:
         time.sleep((1 - share) * PERIOD_S)
 
 
+def busy_until(share: float, stop: Any) -> None:
+    """Run Python for ``share`` of every :data:`PERIOD_S` until ``stop`` (an Event) is set: another
+    process's load beside a forward."""
+    while not stop.is_set():
+        busy_period(share)
+
+
 def forwards_beside(forward: Callable[[], object], busy: float, interval_s: float, n: int) -> list[float]:
     """Seconds of ``n`` forwards run on a thread while this thread runs Python for ``busy`` of every
     :data:`PERIOD_S`, under switch interval ``interval_s`` (restored after)."""

@@ -31,17 +31,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from coalesce.loadtests.lock_contention import PERIOD_S, busy_period
+from coalesce.loadtests.lock_contention import PERIOD_S, busy_until
 
 LIBGOMP_SPIN = "GOMP_SPINCOUNT"
-
-
-def _busy(share: float, stop: Any) -> None:
-    """Run Python for ``share`` of every :data:`PERIOD_S` until ``stop`` is set (another process)."""
-    while not stop.is_set():
-        busy_period(share)
 
 
 def measure(rows: Sequence[int], tokens: int, busy: Sequence[float], gap_s: float, n: int
@@ -57,7 +50,7 @@ def measure(rows: Sequence[int], tokens: int, busy: Sequence[float], gap_s: floa
         runner, prepared = prepared_batch(r, tokens, runner)
         for share in busy:
             stop = ctx.Event()
-            other = ctx.Process(target=_busy, args=(share, stop)) if share > 0 else None
+            other = ctx.Process(target=busy_until, args=(share, stop)) if share > 0 else None
             if other is not None:
                 other.start()
                 time.sleep(0.3)

@@ -196,3 +196,16 @@ def test_the_per_operator_profile_prints_both_precisions(capsys: pytest.CaptureF
     assert "_linear_pointwise" in out  # the packed layers are what runs
     assert "all operators" in out and "wall ms per forward" in out
     assert "plain (--no-cpu-fast-forward)" in out and "plain ÷ tuned" in out  # both forwards timed
+
+
+def test_forwards_side_by_side_are_measured_against_one_on_every_core(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from coalesce.loadtests import forward_lanes
+
+    assert forward_lanes.main(["--rows", "2", "--tokens", "6", "--busy", "0", "--forwards", "4",
+                               "--rounds", "1", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "one forward, every core" in out and "one forward, one core" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] == ["2", "0.00"]]
+    assert len(rows) == 1 and rows[0][-1].endswith("×")
