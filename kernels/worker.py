@@ -175,10 +175,16 @@ class DeviceThread:
     """The single thread that owns a device: every forward, finish and warm-up runs here.
 
     ``after_batch``, when given, is called on this thread after every batch's forward (it must be quick:
-    the next batch waits for it); the engine passes the allocator's trimmer here."""
+    the next batch waits for it); the engine passes the allocator's trimmer here.
+
+    On the CPU it may be several (:meth:`side_by_side`): one forward per thread at once, each on one
+    core, instead of one forward at a time on every core."""
 
     def __init__(self, name: str = "device", after_batch: Callable[[], None] | None = None) -> None:
+        self._name = name
         self._pool = Lane(f"coalesce-{name}")
+        self.lanes = [self._pool]  # the threads that run forwards (one, but on the CPU by side_by_side)
+        self.busy = [0]  # batches handed to each lane and not yet answered (counted on the event loop)
         self.after_batch = after_batch
         # Batches of every model on this device handed over and not yet answered: counted on the event
         # loop (``ModelWorker.start``), which reads it to tell an idle device from a busy one.
@@ -188,8 +194,24 @@ class DeviceThread:
     def executor(self) -> Lane:
         return self._pool
 
+    def side_by_side(self, forwards: int, set_threads: Callable[[int], object]) -> None:
+        """Run up to ``forwards`` forwards at once, each on a thread of its own whose operators run on
+        one core (``set_threads(1)`` on each, torch's count being each thread's own), before any
+        forward. Why: ``python -m coalesce.loadtests.forward_lanes``."""
+        for k in range(len(self.lanes), forwards):
+            self.lanes.append(Lane(f"coalesce-{self._name}-{k}"))
+            self.busy.append(0)
+        for lane in self.lanes:
+            lane.call(set_threads, 1)
+
+    def pick(self) -> int:
+        """The lane the next batch goes to: the least busy, the first of those (the event loop)."""
+        busy = self.busy
+        return 0 if len(busy) == 1 else busy.index(min(busy))
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        for lane in self.lanes:
+            lane.shutdown(wait=True, cancel_futures=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +249,7 @@ class LoopShare:
     the loop busy window after window. Giving back at once costs nothing: the forward runs on every
     core, as it does at any lighter load.
 
-    With ``forwards`` (the engine process of ``--workers N``) the share judged is the forward's own:
+    With ``judge_forward`` (the engine process of ``--workers N``) the share judged is the forward's own:
     seconds of forwards per second, as :meth:`forwarded` adds them. The requests are read, tokenised and
     answered by the gateway processes there, so the engine's loop is never busy; but each request and
     each answer wakes a gateway and the engine's loop, and every such wake-up takes a forward thread off
@@ -241,16 +263,16 @@ class LoopShare:
 
     def __init__(self, cores: int, above: float, set_threads: Callable[[int], object],
                  clock: Callable[[], float] = time.monotonic,
-                 loop_cpu: Callable[[], float] = time.thread_time, *, forwards: bool = False) -> None:
+                 loop_cpu: Callable[[], float] = time.thread_time, *, judge_forward: bool = False) -> None:
         self.cores = cores
         self.above = above
         self.threads = cores  # what the next forward runs on (written on the loop, read on the device thread)
-        self.busy = 0.0  # the judged busy share (the loop's, or with ``forwards`` the forward's) last window
-        self.judged = "forward" if forwards else "loop"
-        self._forward_s = 0.0  # seconds of forwards so far (added on the device thread; ``forwards`` only)
+        self.busy = 0.0  # the judged busy share (the loop's, or the forward's) over the last whole window
+        self.judged = "forward" if judge_forward else "loop"
+        self._forward_s = 0.0  # seconds of forwards so far (added on the device thread; judge_forward only)
         self._set_threads = set_threads
         self._clock = clock
-        self._spent = (lambda: self._forward_s) if forwards else loop_cpu
+        self._spent = (lambda: self._forward_s) if judge_forward else loop_cpu
         self._start, self._start_cpu = clock(), self._spent()
         self._applied = cores
         self._above = 0  # whole windows in a row the loop was busy more than ``above``
@@ -284,16 +306,26 @@ class LoopShare:
             self._applied = threads
 
 
-def loop_share(device: object, above: float, *, forwards: bool = False) -> LoopShare | None:
+def loop_share(device: object, above: float, *, judge_forward: bool = False) -> LoopShare | None:
     """The :class:`LoopShare` for a runner whose forward runs on ``device``: only torch's CPU forward on
     more than one thread, with ``above`` > 0 (0 turns it off). None elsewhere: a GPU's forward, or a
     process that has not imported torch (the torch-free runners' thread pools are their own).
-    ``forwards``: judge the forward's busy share, not the loop's (the engine process of ``--workers``)."""
+    ``judge_forward``: the forward's busy share, not the loop's (the engine process of ``--workers``)."""
     torch = sys.modules.get("torch")
     if str(device) != "cpu" or above <= 0 or torch is None:
         return None
     cores = torch.get_num_threads()
-    return LoopShare(cores, above, torch.set_num_threads, forwards=forwards) if cores > 1 else None
+    return LoopShare(cores, above, torch.set_num_threads, judge_forward=judge_forward) if cores > 1 else None
+
+
+def side_by_side(device: object, forwards: int) -> Callable[[int], object] | None:
+    """How to put a forward's operators on one core (torch's ``set_num_threads``), for a runner whose
+    forward runs on ``device``, when ``forwards`` > 1 of them are to run side by side: only torch's CPU
+    forward. None elsewhere (a GPU's forward, a process without torch), and for ``forwards`` of 1."""
+    torch = sys.modules.get("torch")
+    if str(device) != "cpu" or forwards <= 1 or torch is None:
+        return None
+    return cast(Callable[[int], object], torch.set_num_threads)
 
 
 class ModelWorker:
@@ -331,22 +363,25 @@ class ModelWorker:
         answered = self._answered
         if self.share is not None:
             self.share.on_loop()
+        device = self._device
+        lane = device.pick()
 
         def reply(outcome: BatchOutput | Exception) -> None:  # any thread
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
-                loop.call_soon_threadsafe(answered, done, outcome)
+                loop.call_soon_threadsafe(answered, done, outcome, lane)
 
-        device = self._device
         device.in_flight += 1
+        device.busy[lane] += 1
         if not self._overlap or device.in_flight == 1:  # nothing in flight to prepare beside
-            _hand(device.executor, reply, self._prepare_and_forward, batch, kind)
+            _hand(device.lanes[lane], reply, self._prepare_and_forward, batch, kind)
         else:
             _hand(self._cpu, reply, self._prepare_then_forward, batch, kind, reply)
 
-    def _answered(self, done: Callable[[BatchOutput | Exception], None], outcome: BatchOutput | Exception
-                  ) -> None:
+    def _answered(self, done: Callable[[BatchOutput | Exception], None], outcome: BatchOutput | Exception,
+                  lane: int) -> None:
         # The event loop: a batch's outcome is back, so it is no longer in flight.
         self._device.in_flight -= 1
+        self._device.busy[lane] -= 1
         done(outcome)
 
     def _prepare_then_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind,

@@ -487,6 +487,15 @@ class Settings:
         "free (better latency on CPU). 0 = 2 on CUDA, 1 on CPU.",
         default=0,
     )
+    cpu_forwards: int = _knob(
+        "On the CPU (torch), batches run side by side, each its own forward on one core, instead of "
+        "one forward at a time on every core. A small batch's operators split poorly over cores and "
+        "each waits for its slowest part, which a busy event loop holds back; forwards side by side wait "
+        "for nothing (python -m coalesce.loadtests.forward_lanes measures both; BENCHMARKS.md). Each "
+        "forward is slower alone, so a lone request waits longer; a queue drains faster. 1 = one at a "
+        "time (--loop-core-share then applies); no effect on a GPU or the torch-free backends.",
+        default=1,
+    )
     shutdown_grace_s: float = _knob(
         "After SIGTERM, seconds to keep accepting new connections while the platform removes this "
         "replica from its endpoints (readiness is already 503). Longer loses fewer racing requests; "
@@ -726,6 +735,8 @@ def _validate(s: Settings) -> None:
         problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
     if not 0 <= s.pipeline_depth <= 4:
         problems.append("pipeline_depth must be 0..4")
+    if not 1 <= s.cpu_forwards <= 64:
+        problems.append("cpu_forwards must be 1..64")
     if not (1 <= s.workers <= 64 or s.workers == WORKERS_AUTO):
         problems.append("workers must be auto or 1..64")
     if s.role not in ("all", "engine", "gateway"):

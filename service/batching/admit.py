@@ -106,6 +106,9 @@ class Admitter:
         self._cost = cost
         self._padded_cost = padded_cost
         self._busy_s = busy_s
+        # Forwards that run side by side (SchedulerConfig.forwards): the queue drains that many times as
+        # fast as one forward after another would drain it.
+        self._side = config.forwards
         self._padding = 1.0  # padded ÷ real tokens of recent batches
         self._drain: deque[tuple[float, float]] = deque(maxlen=DRAIN_SPAN)  # (held, forward) seconds
         self._last_done: float | None = None  # the last completion that left work waiting
@@ -243,8 +246,9 @@ class Admitter:
         size = cfg.max_batch_size
         per_input = coef.per_token_s * padding * high
         size = max(1, min(size, int((limit - coef.overhead_s) / max(per_input, 1e-9))))
-        wait = (self._busy_s(now) + math.ceil(ahead / low / size) * coef.overhead_s
-                + ahead * padding * coef.per_token_s) * self.drain_pace * self._cost.run_spread  # (≥ _pace())
+        wait = (self._busy_s(now) + (math.ceil(ahead / low / size) * coef.overhead_s
+                + ahead * padding * coef.per_token_s) / self._side
+                ) * self.drain_pace * self._cost.run_spread  # (≥ _pace())
         if self.on:
             n = min(cfg.max_batch_size, queue.items + inputs + 1)
             full = self._cost.predict(self._padded_cost(n, math.ceil(high)))
@@ -487,7 +491,7 @@ class Admitter:
         last, self._last_done = self._last_done, now if backlog and seconds is not None else None
         if last is None or seconds is None or seconds <= 0:
             return
-        self._drain.append((now - last, seconds))
+        self._drain.append(((now - last) * self._side, seconds))  # (side by side: each held them all)
         if len(self._drain) >= DRAIN_AFTER:
             held = math.fsum(t for t, _ in self._drain)
             forwards = math.fsum(t for _, t in self._drain)
@@ -548,9 +552,10 @@ class Admitter:
         return self._padded_s(math.ceil(inputs / size), tokens)
 
     def _padded_s(self, batches: int, tokens: float) -> float:
-        """Seconds of ``batches`` forwards over ``tokens`` real tokens, padded as recent batches were."""
+        """Seconds of ``batches`` forwards over ``tokens`` real tokens, padded as recent batches were, and
+        run as many at once as forwards run side by side."""
         coef = self._cost.coef
-        return batches * coef.overhead_s + tokens * self._padding * coef.per_token_s
+        return (batches * coef.overhead_s + tokens * self._padding * coef.per_token_s) / self._side
 
 
 def judge_wait(
@@ -588,3 +593,4 @@ class AdmissionConfig:
     burst_wait_s: float
     queue_target_s: float
     queue_interval_s: float
+    forwards: int = 1

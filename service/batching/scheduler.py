@@ -99,6 +99,10 @@ class SchedulerConfig:
     # binds first); 0 = off (bulk batches as large as the other limits allow).
     interactive_batch_s: float = 0.05
     pipeline_depth: int = 1
+    # Batches that run side by side, each its own forward on one core (``--cpu-forwards``); 1 = one forward
+    # at a time. A batch is formed when one of them is free and starts at once; predicted waits count the
+    # queue draining that many times as fast. pipeline_depth is then this.
+    forwards: int = 1
     # Admission by the queue's regime (see overload.py); 0 = off (only the token bounds and deadlines
     # refuse). Under a standing queue a request is admitted only if it is predicted to have its first
     # result within this many seconds of its head arriving (time before admission + queue wait + its
@@ -119,6 +123,7 @@ class SchedulerConfig:
         return AdmissionConfig(
             self.limits.max_batch_size, self.max_queued_tokens, self.tenant_max_queued_tokens,
             self.max_queue_wait_s, self.burst_wait_s, self.queue_target_s, self.queue_interval_s,
+            self.forwards,
         )
 
 
@@ -157,7 +162,9 @@ class Scheduler:
         # by admission and per batch by formation, it is looked up (a graph runner walks its grid for it).
         self.padded_cost = padded_cost = functools.lru_cache(maxsize=1 << 14)(padded_cost)
         self.inflight = 0
-        self.busy_until = 0.0  # predicted end of the work already handed to the model
+        # Predicted end of the work already handed to the model (forwards side by side: of all of it, were
+        # it shared evenly by them)
+        self.busy_until = 0.0
         r = config.priority_ratio
         self._queue = FairQueue((r * r, r, 1.0))
         self._promoted_s = 0.0  # predicted time of batches _query_first moved up since bulk anchored one
@@ -293,7 +300,8 @@ class Scheduler:
         if self._queue.items == 0 or self.inflight >= self.config.pipeline_depth:
             return Step(None, expired, shed, [], [])
         cfg = self.config
-        start = max(now, self.busy_until)
+        # (Side by side, a batch is formed only when a forward is free, and starts at once.)
+        start = max(now, self.busy_until) if cfg.forwards == 1 else now
         split = self._queue.split
         window = self._queue.window(window_size(cfg.limits))
         late: list[Entry] = []
@@ -382,7 +390,8 @@ class Scheduler:
         self._queue.take(batch, charge=True)
         self.admission.dispatched(sum(e.n_tokens for e in batch), padded)
         self.inflight += 1
-        self.busy_until = start + predicted
+        self.busy_until = start + predicted if cfg.forwards == 1 else \
+            max(now, self.busy_until) + predicted / cfg.forwards
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)
 
     def _fresh_and_within_bound(self, batch: list[Entry], finish: float) -> list[Entry]:

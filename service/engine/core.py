@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
-from coalesce.kernels.worker import DeviceThread, LoopShare, ModelWorker, loop_share
+from coalesce.kernels.worker import DeviceThread, LoopShare, ModelWorker, loop_share, side_by_side
 
 from ..allocator import Trimmer
 from ..batching.batcher import Batcher
@@ -77,13 +77,20 @@ class Engine:
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
-            if self.share is None:
+            side = side_by_side(runner.device, settings.cpu_forwards)
+            if side is not None and len(self.device.lanes) == 1:
+                self.device.side_by_side(settings.cpu_forwards, side)
+                metrics.forward_threads.set(1)
+            forwards = len(self.device.lanes) if side is not None else 1
+            if forwards > 1:
+                depth = forwards  # (each forward on its own thread: none to prepare beside, none to spare)
+            elif self.share is None:
                 self.share = loop_share(runner.device, settings.loop_core_share,
-                                        forwards=settings.role == "engine")
+                                        judge_forward=settings.role == "engine")
                 if self.share is not None:
                     self.share.on_change = self._forward_threads
                     metrics.forward_threads.set(self.share.threads)
-            worker = ModelWorker(runner, self.device, overlap=depth > 1,
+            worker = ModelWorker(runner, self.device, overlap=depth > 1 and forwards == 1,
                                  share=self.share if str(runner.device) == "cpu" else None)
             cost = CostModel()
             # A runner preloaded while the server imported itself comes warmed up, with the seed batches'
@@ -102,7 +109,7 @@ class Engine:
                 calibration = await _embed_corpus(worker, runner)
             t2 = time.perf_counter()
             scheduler = Scheduler(
-                scheduler_config(settings, runner.info.max_tokens, depth), cost, runner.padded_cost
+                scheduler_config(settings, runner.info.max_tokens, depth, forwards), cost, runner.padded_cost
             )
             batcher = Batcher(
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
@@ -183,7 +190,7 @@ def default_factory(settings: Settings) -> RunnerFactory:
     return take_or_load
 
 
-def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> SchedulerConfig:
+def scheduler_config(settings: Settings, max_tokens: int, depth: int, forwards: int = 1) -> SchedulerConfig:
     """The batching knobs of ``settings`` for one model (whose longest input is ``max_tokens``)."""
     strategy = settings.batching
     queue_wait_ms = settings.max_queue_wait_ms
@@ -202,6 +209,7 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int) -> Schedul
         priority_ratio=settings.priority_ratio,
         interactive_batch_s=settings.interactive_batch_ms / 1e3,
         pipeline_depth=depth,
+        forwards=forwards,
         max_queue_wait_s=queue_wait_ms / 1e3,
         burst_wait_s=settings.burst_wait_ms / 1e3,
         queue_target_s=(settings.queue_target_ms if settings.queue_target_ms is not None

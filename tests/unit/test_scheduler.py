@@ -446,3 +446,34 @@ def test_inputs_answered_behind_one_that_still_waits_are_not_kept_for_as_long_as
     # The regime keeps when inputs arrived, not the inputs. Served in admission order, the queue would
     # be 5,000 inputs on from the old one (as many as were taken): its head, the last one admitted.
     assert s.regime.head_age(10.0) == pytest.approx(10.0 - (1.0 + 4999e-3))
+
+
+# -- forwards side by side (--cpu-forwards) ---------------------------------------------------------------
+def test_forwards_side_by_side_start_at_once_and_drain_the_queue_that_many_times_as_fast() -> None:
+    one = Scheduler(adaptive(), CostModel(), lambda n, m: n * m)
+    two = Scheduler(adaptive(forwards=2, pipeline_depth=2), CostModel(), lambda n, m: n * m)
+    for s in (one, two):
+        s.add([Entry(16, 0.0)])
+        assert isinstance(s.next(0.0)[0], Dispatch)
+        s.add([Entry(16, 0.001)])
+    second = two.next(0.001)[0]
+    assert isinstance(second, Dispatch), "a second forward is free: its batch starts at once"
+    assert one.next(0.001)[0] is None, "one at a time: it waits for the first"
+    two.add([Entry(16, 0.002)])
+    assert two.next(0.002)[0] is None, "both forwards busy"
+    for s in (one, two):
+        s.add([Entry(16, 0.003) for _ in range(40)])
+    ahead = 40 * 16
+    assert two.admission.wait_s(ahead, 0.003) < 0.6 * one.admission.wait_s(ahead, 0.003)
+
+
+def test_a_load_past_one_forward_at_a_time_is_served_by_two_side_by_side() -> None:
+    # 1.5× what one forward at a time serves: one sheds, two side by side serve it within the target.
+    arrivals = poisson(1.5 * CAPACITY, 20.0, random.Random(21), tokens=TOKENS)
+    queue = {"max_queue_wait_s": TARGET}
+    serial = simulate(adaptive(**queue), arrivals, A, B, seed=22, horizon=25.0, measure_from=2.0)
+    side = simulate(adaptive(forwards=2, pipeline_depth=2, **queue), arrivals, A, B, seed=22, horizon=25.0,
+                    measure_from=2.0)
+    assert len(serial.failed) > 0.1 * len(arrivals), "refused at the door or dropped late"
+    assert not side.failed and not side.refused
+    assert side.pct(0.99) <= TARGET

@@ -16,7 +16,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from coalesce.kernels.protocol import OutputKind
-from coalesce.kernels.worker import BatchOutput, DeviceThread, LoopShare, ModelWorker, loop_share
+from coalesce.kernels.worker import (
+    BatchOutput,
+    DeviceThread,
+    LoopShare,
+    ModelWorker,
+    loop_share,
+    side_by_side,
+)
 
 from ..fakes import FakeRunner
 
@@ -217,8 +224,8 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
 
     clocks, set_threads, judged = _Clocks(), [], []
 
-    def loop_share(device: object, above: float, *, forwards: bool = False) -> LoopShare:
-        judged.append(forwards)
+    def loop_share(device: object, above: float, *, judge_forward: bool = False) -> LoopShare:
+        judged.append(judge_forward)
         return LoopShare(4, above, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
 
     monkeypatch.setattr(core, "loop_share", loop_share)
@@ -256,7 +263,7 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
 def test_the_engine_s_forward_leaves_the_gateways_a_core_while_it_runs_most_of_the_time() -> None:
     clocks, set_threads = _Clocks(), []
     share = LoopShare(4, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu,
-                      forwards=True)
+                      judge_forward=True)
     for _ in range(LoopShare.ABOVE_WINDOWS):
         clocks.spend(1.0, busy=0.1)  # (the engine's loop: hardly busy, and not what is judged)
         share.forwarded(0.4)
@@ -285,7 +292,7 @@ async def test_the_device_thread_counts_its_forwards_time(monkeypatch: pytest.Mo
     monkeypatch.setattr(LoopShare, "WINDOW_S", 0.1)
     clocks, set_threads = _Clocks(), []
     share = LoopShare(2, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu,
-                      forwards=True)
+                      judge_forward=True)
     device = DeviceThread("test")
     worker = ModelWorker(_Slow(), device, overlap=False, share=share)
     try:
@@ -300,3 +307,77 @@ async def test_the_device_thread_counts_its_forwards_time(monkeypatch: pytest.Mo
     finally:
         worker.close()
         device.close()
+
+
+# -- forwards side by side (--cpu-forwards) ---------------------------------------------------------------
+class _Meeting(FakeRunner):
+    """A forward that returns only once ``parties`` forwards are running at once (or fails after 10 s),
+    recording torch's thread count where it runs."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.seen: list[int] = []
+
+    def forward(self, prepared: object) -> object:
+        import torch
+
+        self.seen.append(torch.get_num_threads())
+        self.barrier.wait()
+        return super().forward(prepared)
+
+
+async def test_forwards_side_by_side_run_at_once_each_on_one_core() -> None:
+    import torch
+
+    main_threads = torch.get_num_threads()
+    runner, device = _Meeting(2), DeviceThread("test")
+    device.side_by_side(2, torch.set_num_threads)
+    worker = ModelWorker(runner, device, overlap=False)
+    try:
+        first, second = await asyncio.gather(worker.run([[1, 5, 2]]), worker.run([[1, 6, 2]]))
+        assert first.rows.shape[0] == second.rows.shape[0] == 1, "both met: they ran at once"
+        assert runner.seen == [1, 1], "each on one thread"
+        assert device.busy == [0, 0] and device.in_flight == 0
+        assert torch.get_num_threads() == main_threads, "the count is each lane's own"
+        runner.barrier = threading.Barrier(1)
+        await worker.run([[1, 7, 2]])  # an idle device's batch goes to the first lane
+        assert len(runner.seen) == 3
+    finally:
+        worker.close()
+        device.close()
+
+
+def test_only_torch_s_cpu_forward_runs_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = SimpleNamespace(set_num_threads=lambda n: None)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert side_by_side("cpu", 2) is torch.set_num_threads
+    assert side_by_side("cpu", 1) is None, "one at a time: as before"
+    assert side_by_side("cuda:0", 2) is None
+    monkeypatch.delitem(sys.modules, "torch")
+    assert side_by_side("cpu", 2) is None, "a torch-free process (ONNX Runtime, OpenVINO) is left alone"
+
+
+async def test_an_engine_of_cpu_forwards_side_by_side_schedules_that_many_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from coalesce.service.engine import core
+    from coalesce.service.metrics import Metrics
+    from coalesce.service.settings import build
+
+    threads: list[int] = []
+    monkeypatch.setattr(core, "side_by_side",
+                        lambda device, forwards: threads.append if forwards > 1 else None)
+    metrics = Metrics()
+    engine = core.Engine(build(["--model", "a=/models/a", "--cpu-forwards", "2"], environ={}), metrics,
+                         lambda spec: FakeRunner())
+    await engine.load()
+    try:
+        sched = engine.models[0].batcher.scheduler
+        assert len(engine.device.lanes) == 2
+        assert (sched.config.forwards, sched.config.pipeline_depth) == (2, 2)
+        assert engine.share is None, "no thread to give back: each forward has one"
+        assert metrics.registry.get_sample_value("coalesce_forward_threads") == 1
+    finally:
+        await engine.close()  # (the lanes' threads joined: what was handed to them has run)
+    assert threads == [1, 1], "each lane set to one thread"
