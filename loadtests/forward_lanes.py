@@ -11,8 +11,8 @@ taken by anything else holds every operator back. The other way to use the cores
 forwards at once, each on one thread, none waiting for another. This measures both on the packaged
 model's tuned CPU forward: batches per second for each batch size, beside another process that runs
 Python for ``busy`` of every 2 ms (the event loop's share of a core), over ``--rounds`` rounds that
-alternate the ways (a shared VM drifts). A lead for the engine's CPU path, not what it does: its
-scheduler and admission assume one forward at a time on the device (BENCHMARKS.md, 2026-12-06).
+alternate the ways (a shared VM drifts). The engine runs forwards side by side with ``--cpu-forwards
+N`` (off by default: BENCHMARKS.md, 2026-12-06).
 """
 
 from __future__ import annotations
