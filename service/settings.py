@@ -491,9 +491,11 @@ class Settings:
         "On the CPU (torch), batches run side by side, each its own forward on one core, instead of "
         "one forward at a time on every core. A small batch's operators split poorly over cores and "
         "each waits for its slowest part, which a busy event loop holds back; forwards side by side wait "
-        "for nothing (python -m coalesce.loadtests.forward_lanes measures both; BENCHMARKS.md). Each "
-        "forward is slower alone, so a lone request waits longer; a queue drains faster. 1 = one at a "
-        "time (--loop-core-share then applies); no effect on a GPU or the torch-free backends.",
+        "for nothing (python -m coalesce.loadtests.forward_lanes measures both; BENCHMARKS.md). A large "
+        "batch alone runs longer on one core (a lone short request hardly); a queue drains faster. At "
+        "most the cores; off by default until a flood that keeps the event loop busy is handled (it "
+        "served less at 4x capacity). 1 = one at a time (--loop-core-share then applies); no effect on a "
+        "GPU or the torch-free backends.",
         default=1,
     )
     shutdown_grace_s: float = _knob(
