@@ -64,7 +64,7 @@ NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--cache-mb"
         "--log-level", "warning"]
 PROJECTED_CORES = 16
 # The real model's --workers 2 as it was before its engine judged the forward's own busy share
-# (LoopShare's ``forwards``): the forward on every core however saturated the replica is.
+# (LoopShare's ``judge_forward``): the forward on every core however saturated the replica is.
 EVERY_CORE = ("--workers 2, forward on every core", ["--workers", "2", "--loop-core-share", "0"])
 
 
