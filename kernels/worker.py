@@ -306,13 +306,19 @@ class LoopShare:
             self._applied = threads
 
 
+def _cpu_torch(device: object) -> Any:
+    """torch, for a runner whose forward runs on ``device`` when that is torch's CPU forward; None for a
+    GPU's forward, or in a process that has not imported torch (the torch-free runners' thread pools are
+    their own)."""
+    return sys.modules.get("torch") if str(device) == "cpu" else None
+
+
 def loop_share(device: object, above: float, *, judge_forward: bool = False) -> LoopShare | None:
     """The :class:`LoopShare` for a runner whose forward runs on ``device``: only torch's CPU forward on
-    more than one thread, with ``above`` > 0 (0 turns it off). None elsewhere: a GPU's forward, or a
-    process that has not imported torch (the torch-free runners' thread pools are their own).
+    more than one thread (:func:`_cpu_torch`), with ``above`` > 0 (0 turns it off); else None.
     ``judge_forward``: the forward's busy share, not the loop's (the engine process of ``--workers``)."""
-    torch = sys.modules.get("torch")
-    if str(device) != "cpu" or above <= 0 or torch is None:
+    torch = _cpu_torch(device)
+    if above <= 0 or torch is None:
         return None
     cores = torch.get_num_threads()
     return LoopShare(cores, above, torch.set_num_threads, judge_forward=judge_forward) if cores > 1 else None
@@ -321,9 +327,9 @@ def loop_share(device: object, above: float, *, judge_forward: bool = False) -> 
 def side_by_side(device: object, forwards: int) -> Callable[[int], object] | None:
     """How to put a forward's operators on one core (torch's ``set_num_threads``), for a runner whose
     forward runs on ``device``, when ``forwards`` > 1 of them are to run side by side: only torch's CPU
-    forward. None elsewhere (a GPU's forward, a process without torch), and for ``forwards`` of 1."""
-    torch = sys.modules.get("torch")
-    if str(device) != "cpu" or forwards <= 1 or torch is None:
+    forward (:func:`_cpu_torch`); else None, and for ``forwards`` of 1."""
+    torch = _cpu_torch(device)
+    if forwards <= 1 or torch is None:
         return None
     return cast(Callable[[int], object], torch.set_num_threads)
 

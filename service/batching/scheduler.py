@@ -390,8 +390,7 @@ class Scheduler:
         self._queue.take(batch, charge=True)
         self.admission.dispatched(sum(e.n_tokens for e in batch), padded)
         self.inflight += 1
-        self.busy_until = start + predicted if cfg.forwards == 1 else \
-            max(now, self.busy_until) + predicted / cfg.forwards
+        self.busy_until = max(now, self.busy_until) + predicted / cfg.forwards  # (one forward: start + it)
         return Step(Dispatch(batch, padded, predicted), expired, shed, late, retry)
 
     def _fresh_and_within_bound(self, batch: list[Entry], finish: float) -> list[Entry]:
