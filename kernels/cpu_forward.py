@@ -26,6 +26,7 @@ with a Dense layer), under the same check.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -80,8 +81,10 @@ def bf16_kernels() -> bool:
 class PackedLinear(nn.Module):
     """``nn.Linear`` (then the post-op ``attr``, e.g. GELU) on a weight oneDNN has reordered once.
 
-    The packed weight is an opaque oneDNN tensor held as a plain attribute, not a parameter: it is not
-    in the state dict and ``.to()`` leaves it alone (this module lives on the CPU, in one dtype).
+    The packed weight is an opaque oneDNN tensor held as a buffer, not a parameter, and not persistent:
+    it is not in the state dict (this module lives on the CPU, in one dtype; nothing moves it). A
+    buffer, so that ``traced_forward`` can trace the module: the tracer reads a buffer from its module
+    and cannot record an opaque tensor as a constant.
     """
 
     def __init__(self, linear: nn.Linear, attr: str = "none", algorithm: str = "") -> None:
@@ -89,15 +92,32 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        self.packed: torch.Tensor
+        self.bias: torch.Tensor | None
         self.attr, self.algorithm = attr, algorithm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            return _scripted_linear().linear(x, self.packed, self.bias, self.attr, self.algorithm)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.attr, [], self.algorithm)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.dtype}, post-op={self.attr}"
+
+
+@functools.cache
+def _scripted_linear() -> Any:
+    """The packed linear layer's call compiled by TorchScript, for the tracer: traced from Python, the
+    empty list of post-op scalars (``Scalar?[]``) is a value the tracer cannot record; compiled, the
+    call is one operator of the trace. Compiled on first use (start-up pays it only when tracing)."""
+    return torch.jit.CompilationUnit("""
+def linear(x: Tensor, packed: Tensor, bias: Optional[Tensor], attr: str, algorithm: str) -> Tensor:
+    scalars: List[Optional[number]] = []
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, scalars, algorithm)
+""")
 
 
 def bf16_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

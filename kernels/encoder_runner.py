@@ -43,6 +43,7 @@ from .protocol import ModelInfo, Task, is_raw
 from .st_config import prompt_fields
 from .st_runner import model_name_from_path, resolve_device
 from .tokens import TokenizerAdapter
+from .traced_forward import Pool, trace_pool
 
 log = logging.getLogger("coalesce.kernels")
 
@@ -73,8 +74,10 @@ class EncoderEngine:
         max_tokens: int,
         pad_id: int,
         graphs: GraphOptions,
+        cpu_pool: Pool | None = None,
     ) -> None:
         self.model = model
+        self.cpu_pool = cpu_pool  # the model's pool traced (traced_forward); None: the Python forward
         self.device = device
         self.max_tokens = max_tokens
         self.pad_id = pad_id
@@ -134,7 +137,8 @@ class EncoderEngine:
         self.capture_stats.eager_runs += 1
         ids = prepared.ids.to(self.device, non_blocking=True)
         lengths = prepared.lengths.to(self.device, non_blocking=True)
-        return self.model.pool(ids, lengths)[: prepared.n]
+        pool = self.model.pool if self.cpu_pool is None else self.cpu_pool
+        return pool(ids, lengths)[: prepared.n]
 
     def _normalized(self, pooled: torch.Tensor, prepared: EncoderBatch) -> torch.Tensor:
         """The model's L2 normalisation (when it has one) of every row but the ``raw`` ones."""
@@ -194,9 +198,11 @@ class EncoderRunner(EncoderEngine):
         *,
         device: torch.device,
         graphs: GraphOptions,
+        cpu_pool: Pool | None = None,
     ) -> None:
         super().__init__(
-            model, device=device, max_tokens=tokens.max_tokens, pad_id=tokens.pad_id, graphs=graphs
+            model, device=device, max_tokens=tokens.max_tokens, pad_id=tokens.pad_id, graphs=graphs,
+            cpu_pool=cpu_pool,
         )
         self.tokens = tokens
         self.info = info
@@ -218,6 +224,7 @@ def build_encoder_runner(
     truncate_dim: int | None = None,
     aliases: Sequence[str] = (),
     cpu_fast_forward: bool = True,
+    cpu_traced_forward: bool = True,
 ) -> EncoderRunner | None:
     """The graph runner for the sentence-transformers model at ``model_path``, or None (logged) when
     the model is outside what the graph-safe forward reproduces and the eager runner should serve it."""
@@ -237,7 +244,8 @@ def build_encoder_runner(
     tokens = TokenizerAdapter(st.tokenizer, max_tokens)
     model = place_model(model, tokens, dtype, dev, what=model_path, cpu_fast_forward=cpu_fast_forward)
     return make_encoder_runner(
-        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs
+        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs,
+        traced=cpu_traced_forward,
     )
 
 
@@ -275,8 +283,10 @@ def make_encoder_runner(
     aliases: Sequence[str],
     device: torch.device,
     graphs: GraphOptions,
+    traced: bool = True,
 ) -> EncoderRunner:
-    """The runner over a built model (already on ``device``) and tokenizer, with its ``ModelInfo``.
+    """The runner over a built model (already on ``device``) and tokenizer, with its ``ModelInfo``;
+    on the CPU (``traced``) with its forward traced when that holds (``traced_forward``).
 
     Shared by ``build_encoder_runner`` and ``fastload.build_fast_encoder_runner``, so both describe a
     model the same way whichever loader read it.
@@ -296,7 +306,8 @@ def make_encoder_runner(
     )
     log.info("model %s runs on the graph-safe BERT forward (%s, %s)", model_path, device,
              model.word.weight.dtype)
-    return EncoderRunner(model, tokens, info, device=device, graphs=graphs)
+    cpu_pool = trace_pool(model, what=model_path) if traced and device.type == "cpu" else None
+    return EncoderRunner(model, tokens, info, device=device, graphs=graphs, cpu_pool=cpu_pool)
 
 
 def _pipeline_plan(st: Any) -> tuple[Any, PoolingMode, bool] | str:

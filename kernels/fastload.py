@@ -93,6 +93,7 @@ def build_fast_encoder_runner(
     aliases: Sequence[str] = (),
     truncate_dim: int | None = None,
     cpu_fast_forward: bool = True,
+    cpu_traced_forward: bool = True,
 ) -> EncoderRunner | None:
     """The graph runner for the model at ``model_path``, loaded without importing transformers or
     sentence_transformers; None (logged) when the directory is outside what this loader reproduces,
@@ -120,7 +121,8 @@ def build_fast_encoder_runner(
     log.info("model %s loaded from safetensors and tokenizer.json in %.3f s", model_path,
              time.perf_counter() - t0)
     return make_encoder_runner(
-        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs
+        model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs,
+        traced=cpu_traced_forward,
     )
 
 

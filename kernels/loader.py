@@ -44,6 +44,7 @@ class RunnerOptions:
     backend: str = "auto"  # torch, onnx, openvino, or auto (see onnx_runner.resolve_backend)
     openvino_cache_dir: str | None = None  # None: openvino_runner.default_cache_dir
     cpu_fast_forward: bool = True  # CPU embedding forwards tuned by cpu_forward
+    cpu_traced_forward: bool = True  # the graph-safe CPU forward traced (traced_forward)
     # --cpu-kernel-cache (the serve default lives in the settings): shapes OpenVINO's CPU plugin keeps
     # prepared, 0 = its own default. oneDNN's caches under torch take the same bound from the environment,
     # set before torch starts (service/allocator).
@@ -81,6 +82,7 @@ def load_runner(
         fast = build_fast_encoder_runner(
             path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs,
             aliases=aliases, cpu_fast_forward=options.cpu_fast_forward,
+            cpu_traced_forward=options.cpu_traced_forward,
         )
         if fast is not None:
             return fast
@@ -99,7 +101,7 @@ def load_runner(
 
     graph_runner = build_encoder_runner(
         path, name=name, device=options.device, dtype=options.dtype, graphs=options.graphs, aliases=aliases,
-        cpu_fast_forward=options.cpu_fast_forward,
+        cpu_fast_forward=options.cpu_fast_forward, cpu_traced_forward=options.cpu_traced_forward,
     )
     if graph_runner is not None:
         return graph_runner

@@ -230,6 +230,15 @@ class Settings:
         "plain forward's (else logged and off). --no-cpu-fast-forward turns it off.",
         default=True,
     )
+    cpu_traced_forward: bool = _knob(
+        "On the CPU, run the graph-safe encoder's forward (BERT-family embedding models) traced to "
+        "TorchScript: the whole forward runs without Python's interpreter lock, where from Python it takes "
+        "the lock back between each of its operators and, while the event loop runs Python without pause "
+        "(a flood being refused), waits for it each time. Kept only when ragged batches match the Python "
+        "forward's rows (else logged and off); costs a fraction of a second at start-up. "
+        "--no-cpu-traced-forward turns it off.",
+        default=True,
+    )
     cpu_kernel_cache: int = _knob(
         "Batch shapes the CPU libraries keep compiled kernels for: each of oneDNN's two caches under "
         "torch (its primitive cache and PyTorch's computation cache; one entry per operation and shape, "

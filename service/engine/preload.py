@@ -141,6 +141,7 @@ def model_loader(settings: Settings) -> Callable[[ModelSpec], Runner]:
         options = RunnerOptions(
             device=settings.device, dtype=settings.dtype, graphs=graphs, backend=settings.backend,
             openvino_cache_dir=settings.openvino_cache_dir, cpu_fast_forward=settings.cpu_fast_forward,
+            cpu_traced_forward=settings.cpu_traced_forward,
             cpu_kernel_cache=settings.cpu_kernel_cache,
         )
         return load_runner(spec.path, spec.name, options, task=spec.task,

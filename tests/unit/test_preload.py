@@ -162,13 +162,15 @@ def test_the_engine_takes_the_preloaded_runner_once_and_neither_warms_nor_seeds_
     assert load.loaded == [*s.model_specs, *s.model_specs]
 
 
-@pytest.mark.parametrize(("argv", "tuned"), [([], True), (["--no-cpu-fast-forward"], False)])
-def test_the_cpu_fast_forward_flag_reaches_the_loader(
-    monkeypatch: pytest.MonkeyPatch, argv: list[str], tuned: bool
+@pytest.mark.parametrize(("argv", "tuned", "traced"), [
+    ([], True, True), (["--no-cpu-fast-forward"], False, True), (["--no-cpu-traced-forward"], True, False),
+])
+def test_the_cpu_forward_flags_reach_the_loader(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], tuned: bool, traced: bool
 ) -> None:
     from coalesce.kernels import loader
 
     seen: list[Any] = []
     monkeypatch.setattr(loader, "load_runner", lambda path, name, options, **kw: seen.append(options))
     preload.model_loader(settings.build(argv, environ={}))(ModelSpec(None, None))
-    assert [o.cpu_fast_forward for o in seen] == [tuned]
+    assert [(o.cpu_fast_forward, o.cpu_traced_forward) for o in seen] == [(tuned, traced)]
