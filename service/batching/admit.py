@@ -74,6 +74,17 @@ DRAIN_SPAN = 16
 DRAIN_AFTER = 4
 DRAIN_BOUNDS = (1.0, 3.0)
 
+# An input is dropped ``late`` (:meth:`Admitter.late`) only once it has waited this share of
+# ``max_queue_wait_s`` itself, whatever the predictions add. Under a confirmed overload predictions are
+# scaled to the slow end of the pace (up to 9×); with a fit gone wrong they said that even an input just
+# arrived could not make the bound. The door admits into an empty queue whatever they say, and every input
+# it admitted was then dropped: the model sat idle with nothing to run that could correct the fit (the
+# likely cause of a live 4× flood that served nothing for 18 s while admitting some 500 requests a second,
+# each dropped late). The floor binds only when a lone input's forward is predicted, at
+# that slow end, past half the bound: otherwise :meth:`Admitter.batch_s` (a batch's share, at most half
+# the bound unless one input alone takes longer) already waits longer.
+LATE_AFTER = 0.5
+
 # What a standing queue promises at the door: a first result within this share of
 # ``max_queue_wait_s``; it drops an admitted input ``late`` only past the whole bound (:meth:`Admitter.late`).
 # Predictions err both ways, and with one line for both, every admission near it that ran a little
@@ -425,8 +436,10 @@ class Admitter:
         def bound(e: Entry) -> bool:  # held to the standing bound (``strict`` is only ever on a lead)
             return (e.lead if confirmed else e.strict) and e.priority == lowest
 
+        floor = LATE_AFTER * cfg.max_queue_wait_s  # (its own wait, whatever the predictions say)
+        limit, alone_limit = max(limit, floor), max(cfg.max_queue_wait_s - alone, floor)
         late = [e for e in waiting[1:] if bound(e) and start - e.arrival > limit]
-        if bound(anchor) and start - anchor.arrival > cfg.max_queue_wait_s - alone:
+        if bound(anchor) and start - anchor.arrival > alone_limit:
             late.insert(0, anchor)
         return late
 

@@ -863,3 +863,31 @@ def test_retry_after_spreads_the_refused_at_the_model_s_rate_and_stays_bounded()
     spread = RetryPacer()
     hints = [spread.after(0.0, 0.0, 0.04) for _ in range(1000)]
     assert len(set(hints)) == 1000 and hints[-1] == pytest.approx(50.0)
+
+
+def test_predictions_that_call_even_a_fresh_input_late_do_not_stop_the_model() -> None:
+    # Under a 4× flood one live run served nothing for 18 s while its model sat idle and every input the
+    # door admitted was dropped late; this is how that happens. Lateness counts an input's wait so far plus predicted
+    # forwards, scaled under a confirmed overload by the drain pace and the spread (up to 9×); a fit
+    # gone wrong (here a fixed cost of 0.2 s, as a few slow forwards of full batches of one size can
+    # read) then says that even an input that has just arrived cannot make the bound. Dropped, it never
+    # runs, so no forward corrects the fit: nothing ever runs again. An input is late by its own wait,
+    # past half the bound; until then the prediction alone drops nothing.
+    big = CostModel()
+    for n in (16, 256, 1024):
+        big.observe(n, 0.2 + B * n)
+    s = Scheduler(shedding(), big, lambda n, m: n * m)
+    s.add([Entry(TOKENS, -2.0, flow=0, lead=True, strict=True)])
+    for t in (-1.0, -0.4, 0.2):  # old past the target for a whole interval, arrivals going on: it stands
+        s.regime.asked(100_000, t)
+        s.regime.observe(t)
+    assert s.regime.confirmed(0.2) and s.regime.overload
+    s.admission.drain_pace = admit.DRAIN_BOUNDS[1]
+    big.spread = cost.SPREAD_BOUNDS[1]
+    fresh = [Entry(TOKENS, 0.2, flow=i, lead=True, strict=True) for i in range(1, 9)]
+    for e in fresh:
+        s.add([e])
+    step = s.next(0.2)
+    assert [e.flow for e in step.late] == [0]  # the one that waited 2.2 s
+    assert isinstance(step.decision, Dispatch)
+    assert {e.flow for e in step.decision.batch} == {e.flow for e in fresh}
