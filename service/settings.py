@@ -266,10 +266,11 @@ class Settings:
     )
     switch_interval_ms: float = _knob(
         "Python's switch interval in this process (sys.setswitchinterval): how long a thread that waits "
-        "for the interpreter lock waits before the running one is asked to drop it. The forward's thread "
-        "drops the lock inside each operator and takes it back between them; while the event loop runs "
-        "Python without pause (a flood being refused, an engine reading many gateways' messages), each "
-        "take-back waited up to Python's default of 5 ms, and the forward ran slower by as much "
+        "for the interpreter lock waits before the running one is asked to drop it. A forward run from "
+        "Python (--no-cpu-traced-forward, or a model outside the graph-safe forward) drops the lock inside "
+        "each operator and takes it back between them; while the event loop runs Python without pause (a "
+        "flood being refused, an engine reading many gateways' messages), each take-back waited up to "
+        "Python's default of 5 ms, and the forward ran slower by as much "
         "(python -m coalesce.loadtests.lock_contention; BENCHMARKS.md). 0: Python's default.",
         default=0.5,
     )

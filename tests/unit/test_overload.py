@@ -867,12 +867,12 @@ def test_retry_after_spreads_the_refused_at_the_model_s_rate_and_stays_bounded()
 
 def test_predictions_that_call_even_a_fresh_input_late_do_not_stop_the_model() -> None:
     # Under a 4× flood one live run served nothing for 18 s while its model sat idle and every input the
-    # door admitted was dropped late; this is how that happens. Lateness counts an input's wait so far plus predicted
-    # forwards, scaled under a confirmed overload by the drain pace and the spread (up to 9×); a fit
-    # gone wrong (here a fixed cost of 0.2 s, as a few slow forwards of full batches of one size can
-    # read) then says that even an input that has just arrived cannot make the bound. Dropped, it never
-    # runs, so no forward corrects the fit: nothing ever runs again. An input is late by its own wait,
-    # past half the bound; until then the prediction alone drops nothing.
+    # door admitted was dropped late; this is how that happens. Lateness counts an input's wait so far
+    # plus predicted forwards, scaled under a confirmed overload by the drain pace and the spread (up to
+    # 9×); a fit gone wrong (here a fixed cost of 0.2 s, as a few slow forwards of full batches of one
+    # size can read) then says that even an input that has just arrived cannot make the bound. Dropped,
+    # it never runs, so no forward corrects the fit: nothing ever runs again. An input is late by its own
+    # wait, past half the bound; until then the prediction alone drops nothing.
     big = CostModel()
     for n in (16, 256, 1024):
         big.observe(n, 0.2 + B * n)
