@@ -245,7 +245,7 @@ def build_encoder_runner(
     model = place_model(model, tokens, dtype, dev, what=model_path, cpu_fast_forward=cpu_fast_forward)
     return make_encoder_runner(
         model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs,
-        traced=cpu_traced_forward,
+        cpu_traced_forward=cpu_traced_forward,
     )
 
 
@@ -283,10 +283,10 @@ def make_encoder_runner(
     aliases: Sequence[str],
     device: torch.device,
     graphs: GraphOptions,
-    traced: bool = True,
+    cpu_traced_forward: bool = True,
 ) -> EncoderRunner:
     """The runner over a built model (already on ``device``) and tokenizer, with its ``ModelInfo``;
-    on the CPU (``traced``) with its forward traced when that holds (``traced_forward``).
+    on the CPU (``cpu_traced_forward``) with its forward traced when that holds (``traced_forward``).
 
     Shared by ``build_encoder_runner`` and ``fastload.build_fast_encoder_runner``, so both describe a
     model the same way whichever loader read it.
@@ -306,7 +306,7 @@ def make_encoder_runner(
     )
     log.info("model %s runs on the graph-safe BERT forward (%s, %s)", model_path, device,
              model.word.weight.dtype)
-    cpu_pool = trace_pool(model, what=model_path) if traced and device.type == "cpu" else None
+    cpu_pool = trace_pool(model, what=model_path) if cpu_traced_forward and device.type == "cpu" else None
     return EncoderRunner(model, tokens, info, device=device, graphs=graphs, cpu_pool=cpu_pool)
 
 

@@ -122,7 +122,7 @@ def build_fast_encoder_runner(
              time.perf_counter() - t0)
     return make_encoder_runner(
         model, tokens, model_path=model_path, name=name, aliases=aliases, device=dev, graphs=graphs,
-        traced=cpu_traced_forward,
+        cpu_traced_forward=cpu_traced_forward,
     )
 
 

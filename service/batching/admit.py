@@ -80,9 +80,9 @@ DRAIN_BOUNDS = (1.0, 3.0)
 # arrived could not make the bound. The door admits into an empty queue whatever they say, and every input
 # it admitted was then dropped: the model sat idle with nothing to run that could correct the fit (the
 # likely cause of a live 4× flood that served nothing for 18 s while admitting some 500 requests a second,
-# each dropped late). The floor binds only when a lone input's forward is predicted, at
-# that slow end, past half the bound: otherwise :meth:`Admitter.batch_s` (a batch's share, at most half
-# the bound unless one input alone takes longer) already waits longer.
+# each dropped late). The floor binds only when a lone input's forward is predicted, at that slow end,
+# past half the bound: otherwise :meth:`Admitter.batch_s` (a batch's share, at most half the bound unless
+# one input alone takes longer) already waits longer.
 LATE_AFTER = 0.5
 
 # What a standing queue promises at the door: a first result within this share of
