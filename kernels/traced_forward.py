@@ -1,10 +1,10 @@
 """The CPU forward traced to TorchScript: a whole forward run without Python's interpreter lock.
 
 The server runs each forward on a thread of its own beside the event loop's. Run from Python, the
-forward drops the interpreter lock inside each operator and takes it back between them, some 170 times
-per forward of the packaged MiniLM. While the event loop runs Python without pause (a flood being
-refused, an engine reading many gateways' messages) each take-back waits for the loop to be asked to
-drop it (``--switch-interval-ms``), and the forward's thread sits idle, off the CPU, for as long.
+forward drops the interpreter lock inside each operator and takes it back between them. While the
+event loop runs Python without pause (a flood being refused, an engine reading many gateways'
+messages) each take-back waits for the loop to be asked to drop it (``--switch-interval-ms``), and the
+forward's thread sits idle, off the CPU, for as long.
 Traced, the same operators run in TorchScript's interpreter, which holds no interpreter lock from the
 call's start to its end: one take-back per forward instead of one per operator.
 ``python -m coalesce.loadtests.lock_contention`` times both beside a busy thread (BENCHMARKS.md).
