@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from coalesce.service.batching.cost import Coefficients, CostModel
+from coalesce.service.batching.cost import REFIT_FORWARD_S, Coefficients, CostModel
 
 
 def test_recovers_a_linear_cost_from_noisy_batches() -> None:
@@ -63,6 +63,32 @@ def test_the_fit_is_never_more_than_a_sixteenth_of_the_window_behind() -> None:
         if i >= 3:
             assert model.predict(1000) < before
             break
+
+
+def test_refits_wait_for_forward_time_on_a_device_of_microsecond_forwards(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refit costs the event loop tens of µs: after the first 16 points it runs every 1/16 window of
+    batches at a CPU's pace, and on a device whose forwards take microseconds it waits for REFIT_FORWARD_S
+    of them, and at most a window of batches."""
+    def refits(per_batch_s: float) -> int:
+        model = CostModel(window=128)
+        count = 0
+        refit = model._refit
+
+        def counted() -> None:
+            nonlocal count
+            count += 1
+            refit()
+
+        monkeypatch.setattr(model, "_refit", counted)
+        for i in range(16 + 1024):
+            model.observe(100 + i % 7 * 50, per_batch_s)
+        return count - 16  # (the first 16 points refit each)
+
+    assert REFIT_FORWARD_S == 0.003
+    assert refits(2**-7) == 1024 // 8  # 7.8 ms forwards: every 8th batch
+    assert refits(2**-13) == 1024 // 25  # 122 µs forwards: every 25th, once 3 ms of them ran
+    assert refits(2**-20) == 1024 // 128  # 1 µs forwards: once a window
 
 
 def test_the_fit_does_not_depend_on_the_order_of_its_sums() -> None:
