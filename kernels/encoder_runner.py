@@ -78,6 +78,9 @@ class EncoderEngine:
     ) -> None:
         self.model = model
         self.cpu_pool = cpu_pool  # the model's pool traced (traced_forward); None: the Python forward
+        # A traced CPU forward runs in TorchScript's interpreter, which holds no interpreter lock from call
+        # to return: forwards side by side then wait for nothing (worker.cpu_forwards).
+        self.forward_releases_lock = cpu_pool is not None and device.type == "cpu"
         self.device = device
         self.max_tokens = max_tokens
         self.pad_id = pad_id

@@ -324,6 +324,26 @@ def loop_share(device: object, above: float, *, judge_forward: bool = False) -> 
     return LoopShare(cores, above, torch.set_num_threads, judge_forward=judge_forward) if cores > 1 else None
 
 
+# ``--cpu-forwards 0`` (auto) runs this many forwards side by side where torch's CPU forward has exactly
+# this many cores and runs without the interpreter lock (a traced forward): measured on a 2-core machine
+# (BENCHMARKS.md, overload section); one forward at a time elsewhere until larger hosts are measured.
+AUTO_FORWARDS = 2
+
+
+def cpu_forwards(device: object, forwards: int, runner: object) -> int:
+    """``--cpu-forwards`` for a runner whose forward runs on ``device``: ``forwards`` as given, or for 0
+    (auto) :data:`AUTO_FORWARDS` where torch's CPU forward (:func:`_cpu_torch`) has exactly that many
+    threads and ``runner`` says its forward releases the interpreter lock (``forward_releases_lock``),
+    else 1. Forwards side by side that each take the lock back after every operator wait for each other
+    and for the event loop (lock_contention.py): one forward on every core served more there."""
+    if forwards > 0:
+        return forwards
+    torch = _cpu_torch(device)
+    if torch is None or not getattr(runner, "forward_releases_lock", False):
+        return 1
+    return AUTO_FORWARDS if torch.get_num_threads() == AUTO_FORWARDS else 1
+
+
 def side_by_side(device: object, forwards: int) -> Callable[[int], object] | None:
     """How to put a forward's operators on one core (torch's ``set_num_threads``), for a runner whose
     forward runs on ``device``, when ``forwards`` > 1 of them are to run side by side: only torch's CPU

@@ -503,10 +503,11 @@ class Settings:
         "each waits for its slowest part, which a busy event loop holds back; forwards side by side wait "
         "for nothing (python -m coalesce.loadtests.forward_lanes measures both; BENCHMARKS.md). A large "
         "batch alone runs longer on one core (a lone short request hardly); a queue drains faster. At "
-        "most the cores; off by default until a flood that keeps the event loop busy is handled (it "
-        "served less at 4x capacity). 1 = one at a time (--loop-core-share then applies); no effect on a "
-        "GPU or the torch-free backends.",
-        default=1,
+        "most the cores. 0 = auto: 2 where torch's forward has exactly 2 cores and runs traced "
+        "(--cpu-traced-forward: no interpreter lock between the forwards), else 1 (measured on 2 cores "
+        "only: BENCHMARKS.md, overload section). 1 = one at a time (--loop-core-share then applies); no "
+        "effect on a GPU or the torch-free backends.",
+        default=0,
     )
     shutdown_grace_s: float = _knob(
         "After SIGTERM, seconds to keep accepting new connections while the platform removes this "
@@ -747,8 +748,8 @@ def _validate(s: Settings) -> None:
         problems.append("shutdown_grace_s and drain_timeout_s must be >= 0")
     if not 0 <= s.pipeline_depth <= 4:
         problems.append("pipeline_depth must be 0..4")
-    if not 1 <= s.cpu_forwards <= 64:
-        problems.append("cpu_forwards must be 1..64")
+    if not 0 <= s.cpu_forwards <= 64:
+        problems.append("cpu_forwards must be 0..64 (0: auto)")
     if not (1 <= s.workers <= 64 or s.workers == WORKERS_AUTO):
         problems.append("workers must be auto or 1..64")
     if s.role not in ("all", "engine", "gateway"):

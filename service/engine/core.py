@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
-from coalesce.kernels.worker import DeviceThread, LoopShare, ModelWorker, loop_share, side_by_side
+from coalesce.kernels.worker import (
+    DeviceThread,
+    LoopShare,
+    ModelWorker,
+    cpu_forwards,
+    loop_share,
+    side_by_side,
+)
 
 from ..allocator import Trimmer
 from ..batching.batcher import Batcher
@@ -77,9 +84,10 @@ class Engine:
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
-            side = side_by_side(runner.device, settings.cpu_forwards)
+            wanted = cpu_forwards(runner.device, settings.cpu_forwards, runner)
+            side = side_by_side(runner.device, wanted)
             if side is not None and len(self.device.lanes) == 1:
-                self.device.side_by_side(settings.cpu_forwards, side)
+                self.device.side_by_side(wanted, side)
                 metrics.forward_threads.set(1)
             forwards = len(self.device.lanes) if side is not None else 1
             if forwards > 1:
@@ -133,6 +141,7 @@ class Engine:
                 cost_per_token_us=round(cost.coef.per_token_s * 1e6, 3),
                 calibration="none" if calibration is None else "stored" if stored is not None else "computed",
                 preloaded=preloaded,
+                forwards=forwards,  # side by side (--cpu-forwards, resolved)
             )
         self.record_capture()
 

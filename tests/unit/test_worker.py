@@ -21,6 +21,7 @@ from coalesce.kernels.worker import (
     DeviceThread,
     LoopShare,
     ModelWorker,
+    cpu_forwards,
     loop_share,
     side_by_side,
 )
@@ -356,6 +357,64 @@ def test_only_torch_s_cpu_forward_runs_side_by_side(monkeypatch: pytest.MonkeyPa
     assert side_by_side("cuda:0", 2) is None
     monkeypatch.delitem(sys.modules, "torch")
     assert side_by_side("cpu", 2) is None, "a torch-free process (ONNX Runtime, OpenVINO) is left alone"
+
+
+def test_auto_cpu_forwards_are_two_only_for_a_lock_free_forward_on_two_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--cpu-forwards 0`` (auto, the default): two forwards side by side where torch's CPU forward has
+    exactly two cores and its forward releases the interpreter lock (traced), else one at a time; a
+    number given is kept. (The core count is mocked: any machine runs this.)"""
+    cores = [2]
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(get_num_threads=lambda: cores[0]))
+    traced, python = SimpleNamespace(forward_releases_lock=True), SimpleNamespace(forward_releases_lock=False)
+    assert cpu_forwards("cpu", 0, traced) == 2
+    assert cpu_forwards("cpu", 0, python) == 1, "forwards that take the lock back wait for each other"
+    assert cpu_forwards("cpu", 0, FakeRunner()) == 1, "a runner that says nothing: one"
+    assert cpu_forwards("cuda:0", 0, traced) == 1, "a GPU's forward"
+    assert (cpu_forwards("cpu", 1, traced), cpu_forwards("cpu", 3, python)) == (1, 3), "as given"
+    for n in (1, 4, 16):
+        cores[0] = n
+        assert cpu_forwards("cpu", 0, traced) == 1, f"{n} cores: not measured, one at a time"
+    monkeypatch.delitem(sys.modules, "torch")
+    assert cpu_forwards("cpu", 0, traced) == 1, "a torch-free process"
+
+
+def test_the_traced_cpu_forward_says_it_releases_the_interpreter_lock() -> None:
+    import torch
+    from coalesce.kernels.encoder_runner import EncoderEngine
+
+    model = SimpleNamespace(pool=lambda ids, lengths: ids)
+    engine = EncoderEngine(model, device=torch.device("cpu"), max_tokens=8, pad_id=0,  # type: ignore[arg-type]
+                           graphs=SimpleNamespace(enabled=False), cpu_pool=lambda ids, lengths: ids)  # type: ignore[arg-type]
+    assert engine.forward_releases_lock
+    engine = EncoderEngine(model, device=torch.device("cpu"), max_tokens=8, pad_id=0,  # type: ignore[arg-type]
+                           graphs=SimpleNamespace(enabled=False))  # type: ignore[arg-type]
+    assert not engine.forward_releases_lock, "the Python forward takes the lock back after every operator"
+
+
+async def test_the_engine_resolves_auto_cpu_forwards_from_its_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coalesce.service.engine import core
+    from coalesce.service.metrics import Metrics
+    from coalesce.service.settings import build
+
+    threads: list[int] = []
+    # torch's CPU forward on two cores, mocked: what auto reads (any machine runs this)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(get_num_threads=lambda: 2,
+                                                              set_num_threads=threads.append))
+    for releases, lanes in ((True, 2), (False, 1)):
+        runner = replace(FakeRunner(), device="cpu")
+        runner.forward_releases_lock = releases  # type: ignore[attr-defined]
+        settings = build(["--model", "a=/models/a", "--loop-core-share", "0"], environ={})
+        assert settings.cpu_forwards == 0, "auto by default"
+        engine = core.Engine(settings, Metrics(), lambda spec, r=runner: r)
+        await engine.load()
+        try:
+            assert len(engine.device.lanes) == lanes
+            assert engine.models[0].batcher.scheduler.config.forwards == lanes
+        finally:
+            await engine.close()
+    assert threads == [1, 1], "the traced forward's two lanes, each on one thread"
 
 
 async def test_an_engine_of_cpu_forwards_side_by_side_schedules_that_many_at_once(
