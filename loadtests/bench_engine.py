@@ -14,8 +14,8 @@ still works across gateways.
   message's round trip to another process.
 * The real model, 32 closed-loop clients: ``--workers 2`` against ``--workers 1`` and against the
   in-process sentence-transformers rate at its best batch size, throughput and mean batch size (one
-  queue per model in the engine: batches must not shrink as gateways are added); and ``--workers 2``
-  with ``--loop-core-share 0`` (its forward on every core however saturated) beside it.
+  queue per model in the engine: batches must not shrink as gateways are added); and both with one
+  forward at a time (``--cpu-forwards 1``) beside them, where the default runs two side by side.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ WAKE_CALLS = ("Link.send", "Lane.call", "ModelWorker.start.<locals>.reply", "Str
 NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--cache-mb", "0",
         "--log-level", "warning"]
 PROJECTED_CORES = 16
-# The real model's --workers 2 as it was before its engine judged the forward's own busy share
-# (LoopShare's ``judge_forward``): the forward on every core however saturated the replica is.
-EVERY_CORE = ("--workers 2, forward on every core", ["--workers", "2", "--loop-core-share", "0"])
+# The real model with one forward at a time on every core (--cpu-forwards 1), beside the default, which
+# on a 2-core machine with a traced forward runs two side by side (worker.cpu_forwards).
+ONE_FORWARD = [("one process, one forward", ["--cpu-forwards", "1"]),
+               ("--workers 2, one forward", ["--workers", "2", "--cpu-forwards", "1"])]
 
 
 def _cpu_by_role(pid: int) -> dict[str, float]:
@@ -274,7 +275,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     best_batch, best_rate = sentence_transformers_best(_sentences(closed))
     with contextlib.ExitStack() as stack:  # all up at once, their runs interleaved, as above
         up = {}
-        for name, flags in [*configs[1:], EVERY_CORE]:
+        for name, flags in [*configs[1:], *ONE_FORWARD]:
             assert flags is not None
             up[name] = stack.enter_context(servers.running(
                 _spec(args, f"real {name}", ["--log-level", "warning", *flags]), out / "logs",
@@ -284,7 +285,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
             list(up), lambda name, r: _run(up[name].url, closed, f"real {name} c{CLIENTS} round {r + 1}", out)
         )
     real = {name: median_by(sts, lambda st: st.achieved_rps) for name, sts in real_runs.items()}
-    one, two, every = real["one process"], real["--workers 2"], real[EVERY_CORE[0]]
+    one, two = real["one process"], real["--workers 2"]
+    one_1, two_1 = (real[name] for name, _ in ONE_FORWARD)
     vs_best = one.achieved_rps / best_rate if best_rate else 0.0
     throughput = two.achieved_rps / one.achieved_rps if one.achieved_rps else 0.0
     mean_one = one.batch.mean_batch_size if one.batch else 0.0
@@ -311,7 +313,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
          f"{throughput:.2f}×", _met(throughput >= 1.0)],
         ["mean batch, --workers 2 ÷ one process", "≥ 0.8×", f"{batch_ratio:.2f}×", _met(batch_ratio >= 0.8)],
     ]
-    every_ratio = two.achieved_rps / every.achieved_rps if every.achieved_rps else 0.0
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}×" if b else "-"
     body = (
         "**Cost per request by process**, null model (the real service with a forward that costs "
         f"nothing, no result cache), short single-sentence requests, open loop at {at_rate} and closed "
@@ -335,12 +338,14 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of "
         "median throughput shown), on this machine's cores (the gateways and the engine "
         "share them with the load generator); in-process sentence-transformers at its best batch size "
-        f"({best_batch}) embeds {best_rate:,.0f} sentences/s. The last row is `--workers 2` with "
-        "`--loop-core-share 0`: its forward on every core however busy, as before the engine judged the "
-        "forward's own busy share:\n\n"
+        f"({best_batch}) embeds {best_rate:,.0f} sentences/s. The last two rows run one forward at a time on "
+        "every core (`--cpu-forwards 1`); the rows above run the default, which on two cores with the "
+        "traced forward is two forwards side by side, one core each:\n\n"
         + markdown_table(["server", "throughput (req/s)", "p50 ms", "p99 ms", "mean batch", "errors"],
                          real_rows)
-        + f"\n\n`--workers 2` served {every_ratio:.2f}× the requests/s of its forward on every core.\n\n"
+        + f"\n\nThe default served {ratio(one.achieved_rps, one_1.achieved_rps)} the requests/s of one "
+        f"forward at a time in one process, {ratio(two.achieved_rps, two_1.achieved_rps)} under "
+        "`--workers 2`.\n\n"
         + markdown_table(["figure", "target", "measured", ""], figures)
         + "\n"
     )
