@@ -11,10 +11,11 @@ One run, side by side:
   driven by the lean ``rawclient`` (``--client raw``), the generator sharing the server's cores: the
   admitted requests' p99 from each request's scheduled send time, the refused share, goodput, and the
   CPU a refusal costs the event loop (the server's main thread, which reads, checks and answers every
-  request: its CPU beyond what the admitted requests cost it at 0.5×, where none is refused, over the
-  refusals). The process's CPU is not used for that: its forward threads spin while they wait for
-  work, so at 0.5× they burn more per admitted request than under overload, and the difference came
-  out negative.
+  request: its CPU beyond what the admitted requests cost it at the busiest step below 2× that refused
+  none, over the refusals; per admitted request the loop's work falls as batches grow, and taken from
+  0.5×, whose batches are the smallest, the estimate came out negative with two forwards side by side).
+  The process's CPU is not used for that: its forward threads spin while they wait for work, so at 0.5×
+  they burn more per admitted request than under overload, and the difference came out negative.
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
     burst_rows = [[name, f"{b['failed']} of {b['calls']}", fmt(float(b["wall_s"]), 2),  # type: ignore[arg-type]
                    str(b["429s"]), _kinds(b["failed_by_kind"])] for name, b in bursts.items()]
     idle_rows = [[name, ", ".join(f"{k}×{v}" for k, v in sorted(c.items()))] for name, c in idle.items()]
-    cpu_ok = next((cpu / st.ok for load, st, cpu in steps if load == 0.5 and st.ok), None)
+    # The event loop's CPU per admitted request, at the busiest step below 2× that refused none (batches
+    # nearest the loaded steps'): what a refusal's estimate subtracts.
+    unrefused = [(load, cpu / st.ok) for load, st, cpu in steps
+                 if load < 2 and st.ok and st.ok == st.requests]
+    basis, cpu_ok = max(unrefused) if unrefused else (None, None)
     step_rows = []
     checks = [
         ["burst: calls failed after the client's retries", "0", str(co["failed"]), _met(co["failed"] == 0)],
@@ -176,9 +181,12 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         + "\n\nOpen loop (Poisson, mix `short`, the capacity probe and every step driven by the raw client, "
         "`coalesce loadtest --client raw`; latency of admitted requests from their scheduled send "
         "time; event-loop CPU: the server's main thread, which reads, checks and answers every request; "
-        "per refusal: its CPU beyond what the admitted requests cost it at 0.5×, over the refusals; "
+        "per refusal: its CPU beyond what the admitted requests cost it at "
+        + (f"{basis:g}×" if basis is not None else "a step that refused none")
+        + " (the busiest step below 2× that refused none), over the refusals; "
         "late: the server's refusals (`coalesce_rejected_total`) that were admitted, decoded and tokenised "
-        "first, then dropped at dequeue; model busy: the server's forward seconds over the step's; forward "
+        "first, then dropped at dequeue; model busy: the server's forward seconds over the step's (with "
+        "forwards side by side, all of theirs: up to their number); forward "
         "tokens/s: padded tokens over forward seconds, ÷ the capacity probe's — with the model busy "
         "throughout, goodput below capacity is forwards that ran slower per token, on cores shared with "
         "the event loop and the generator, or more padding):\n\n"
