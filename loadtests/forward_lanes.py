@@ -12,7 +12,7 @@ forwards at once, each on one thread, none waiting for another. This measures bo
 model's tuned CPU forward: batches per second for each batch size, beside another process that runs
 Python for ``busy`` of every 2 ms (the event loop's share of a core), over ``--rounds`` rounds that
 alternate the ways (a shared VM drifts). The engine runs forwards side by side with ``--cpu-forwards
-N`` (off by default: BENCHMARKS.md, 2026-12-06).
+N``; by default two on a 2-core machine whose forward is traced, else one (BENCHMARKS.md, 2026-12-06).
 """
 
 from __future__ import annotations
