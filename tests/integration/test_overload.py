@@ -156,8 +156,11 @@ async def test_sustained_overload_is_refused_at_once_and_the_regime_recovers(
     # head would have been answered (408 only after --body-timeout-s, 30 s).
     refused = [a for a in unread if a is not None]
     assert refused and {a.status for a in refused} == {429}
-    assert all(a.json()["error"]["code"] == "overloaded" and int(a.headers["retry-after"]) >= 1
-               for a in refused)
+    # Judged once the head is whole, half a second after the gauge said the queue stood: refused as a
+    # standing queue's (overloaded), or as a burst's past its bound (queue_full) if it had stopped standing
+    # meanwhile, which two forwards side by side, draining it faster, make more frequent.
+    codes = [(a.json()["error"]["code"], a.headers.get("retry-after")) for a in refused]
+    assert all(code in ("overloaded", "queue_full") and int(after or 0) >= 1 for code, after in codes), codes
     refused = [(h, body) for status, h, body in answers if status == 429]
     assert {status for status, _, _ in answers} <= {200, 429}  # every request answered, none failed
     assert refused and any(body["error"]["code"] == "overloaded" for _, body in refused)
