@@ -78,9 +78,6 @@ class EncoderEngine:
     ) -> None:
         self.model = model
         self.cpu_pool = cpu_pool  # the model's pool traced (traced_forward); None: the Python forward
-        # A traced CPU forward runs in TorchScript's interpreter, which holds no interpreter lock from call
-        # to return: forwards side by side then wait for nothing (worker.cpu_forwards).
-        self.forward_releases_lock = cpu_pool is not None and device.type == "cpu"
         self.device = device
         self.max_tokens = max_tokens
         self.pad_id = pad_id
@@ -98,6 +95,13 @@ class EncoderEngine:
                 lazy=graphs.lazy,
             )
         self.capture_stats: CaptureStats = self._graphs.stats if self._graphs else CaptureStats()
+
+    @property
+    def forward_releases_lock(self) -> bool:
+        """Whether the forward holds no interpreter lock from call to return: a traced CPU forward runs in
+        TorchScript's interpreter, so forwards side by side wait for nothing (``worker.cpu_forwards``).
+        Read from ``cpu_pool``, which a copy may drop (``loadtests/lock_contention.py``)."""
+        return self.cpu_pool is not None and self.device.type == "cpu"
 
     def padded_shape(self, n: int, max_len: int) -> tuple[int, int]:
         """The (rows, cols) a batch of ``n`` sequences (longest ``max_len``) runs at: its cell of the
