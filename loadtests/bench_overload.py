@@ -15,7 +15,11 @@ One run, side by side:
   none, over the refusals; per admitted request the loop's work falls as batches grow, and taken from
   0.5×, whose batches are the smallest, the estimate came out negative with two forwards side by side).
   The process's CPU is not used for that: its forward threads spin while they wait for work, so at 0.5×
-  they burn more per admitted request than under overload, and the difference came out negative.
+  they burn more per admitted request than under overload, and the difference came out negative;
+* **a cold flood** — a fresh server flooded at 4× capacity from its first second by the raw client,
+  whose connections are all new (a replica that comes up under load): goodput, the admitted p99, the
+  slowest 1%'s time outside the server, and the handshakes the kernel dropped with its queue of
+  connections waiting to be accepted full (``TcpExtListenOverflows``, machine-wide).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from coalesce.loadtests.workload import Mix, TextSource
 CHUNKS = 1000
 IDLE_BURST = 120
 LOADS = (0.5, 1.0, 2.0, 4.0)
+COLD_LOAD = 4.0  # the cold flood's multiple of capacity
+COLD_S = 10.0  # its measured seconds, from its first
 TARGET_MS = 500.0
 WARMUP_S = 2.0  # before each open-loop step's measured window
 
@@ -113,13 +119,59 @@ def overload(args: argparse.Namespace) -> tuple[str, str]:
             # (The warm-up's CPU out: the step's requests are those of its measured window.)
             cpu = main_thread_cpu_seconds(srv.proc.pid) - before
             steps.append((load, st, cpu * st.duration_s / (st.duration_s + WARMUP_S)))
+    # A fresh server, flooded from its first second: every connection new, no warm-up left out.
+    cold_flood = Scenario(mode=Mode.OPEN, rate=round(COLD_LOAD * capacity, 1), duration=COLD_S, warmup=0.0,
+                          mix=Mix.SHORT, timeout=60.0, max_inflight=8192, client="raw")
+    with servers.running(_spec(args, "coalesce", flags), out / "logs", args.ready_timeout) as srv:
+        dropped = _listen_overflows()
+        cold = _run(srv.url, cold_flood, f"cold {COLD_LOAD:g}x", out)
+        after = _listen_overflows()
+        cold_dropped = after - dropped if after is not None and dropped is not None else None
     binary = Path(args.infinity_bin)
     if binary.exists():
         spec = servers.infinity_spec(str(binary), _model_dir(), "all-MiniLM-L6-v2")
         with servers.running(spec, out / "logs", args.ready_timeout) as srv:
             idle["infinity"] = asyncio.run(_idle_burst(srv.url))
             bursts["infinity"] = {**_burst(srv.base_url, seed=2), "429s": "-"}
-    return title, _report(bursts, idle, steps, probed)
+    return title, _report(bursts, idle, steps, probed) + _cold_report(cold, cold_dropped, capacity)
+
+
+def _listen_overflows() -> int | None:
+    """The kernel's count of connections it dropped with a listening socket's accept queue full
+    (``TcpExtListenOverflows`` in /proc/net/netstat: every socket on the machine), or None."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:") and "ListenOverflows" in names.split():
+            return int(values.split()[names.split().index("ListenOverflows")])
+    return None
+
+
+def _cold_report(st: StepResult, dropped: int | None, capacity: float) -> str:
+    """The cold flood's table."""
+    goodput = st.ok / st.duration_s if st.duration_s else 0.0
+    lat, t = st.latency, st.tail
+    refused = f"{(st.requests - st.ok) / st.requests:.1%}" if st.requests else "-"
+    row = [f"{COLD_LOAD:g}×, cold", fmt(st.offered_rps), fmt(goodput), f"{goodput / capacity:.2f}×",
+           fmt(lat.p50_ms if lat else None), fmt(lat.p99_ms if lat else None),
+           fmt(lat.p999_ms if lat else None), refused,
+           ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-",
+           fmt(t.outside_ms) if t else "-", fmt(t.queue_ms) if t else "-",
+           "-" if dropped is None else str(dropped)]
+    return (
+        f"\nA cold flood: a fresh server, offered {COLD_LOAD:g}× capacity from its first second for "
+        f"{COLD_S:g} s by the raw client, whose every connection is new (a replica that comes up under "
+        "load; nothing left out as warm-up). The slowest 1% of the admitted requests taken apart as above; "
+        "handshakes dropped: connections the kernel turned away with a listening socket's queue of "
+        "connections waiting to be accepted full, which a client retries after 1, 3, 7, 15 s "
+        "(`TcpExtListenOverflows`, every socket on the machine):\n\n"
+        + markdown_table(["load", "offered/s", "goodput/s", "÷ capacity", "p50 ms", "p99 ms", "p99.9 ms",
+                          "refused", "answers", "slowest 1%: outside ms", "slowest 1%: queue ms",
+                          "handshakes dropped"], [row])
+        + "\n"
+    )
 
 
 def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]],

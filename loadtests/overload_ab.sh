@@ -31,7 +31,7 @@ if [ "$rev" != - ]; then
 fi
 case $section in
     overload) args=(--infinity-bin /nonexistent)
-        echo "round code     capacity/s 2x_p99_ms 2x_goodput 2x_us/refusal 4x_p99_ms 4x_goodput 4x_us/refusal burst_failed burst_s" ;;
+        echo "round code     capacity/s 2x_p99_ms 2x_goodput 2x_us/refusal 4x_p99_ms 4x_goodput 4x_us/refusal burst_failed burst_s cold_p99_ms cold_goodput" ;;
     soak) args=(--soak-minutes "${SOAK_MINUTES:-10}")
         echo "round code     capacity/s worst_p99_ms 2x_p99s_ms 2x_goodput" ;;
     *) echo "SECTION: overload or soak" >&2; exit 2 ;;
@@ -62,12 +62,13 @@ for r in $(seq "$rounds"); do
             continue
         fi
         # The capacity probe's figure, the open-loop table's 2× and 4× rows (p99, ÷ capacity, µs/refusal: thousands'
-        # commas dropped), then the burst's failed calls and wall time.
+        # commas dropped), then the burst's failed calls and wall time, then the cold flood's p99 and ÷ capacity.
         figures=$(awk -F'|' '
             /Capacity \(closed loop/ { match($0, /\*\*[0-9.,]+ req\/s\*\*/); cap = substr($0, RSTART + 2, RLENGTH - 10) }
             $2 ~ /^ (2|4)× $/ && NF > 12 { gsub(/ /, "", $5); gsub(/[ ,]/, "", $7); gsub(/[ ,]/, "", $12); row = row " " $7 " " $5 " " $12 }
             $2 ~ /^ coalesce $/ && $3 ~ / of / { split($3, f, " "); w = $4; gsub(/ /, "", w); burst = " " f[1] " " w }
-            END { print cap row burst }' "$out/$code$r.log")
+            $2 ~ /, cold $/ { gsub(/ /, "", $5); gsub(/[ ,]/, "", $7); cold = " " $7 " " $5 }
+            END { print cap row burst cold }' "$out/$code$r.log")
         printf '%-5s %-8s %s\n' "$r" "$code" "$figures"
     done
 done
