@@ -75,6 +75,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..schemas import encoder
 from ..settings import Settings
+from . import listener
 from .answers import raw_response
 from .state import METRICS, SETTINGS, Handler
 
@@ -431,10 +432,9 @@ class GuardedSite(web.BaseSite):
         self.connections.cap = connection_cap(wanted, fd_limit)
         if self.connections.cap < wanted:
             log.warning("max_connections_lowered", wanted=wanted, cap=self.connections.cap, fd_limit=fd_limit)
-        self._server = await asyncio.get_running_loop().create_server(
-            self._accept, self._host, self._port, backlog=self._backlog, reuse_address=True,
-            reuse_port=self._reuse_port or None,
-        )
+        # Not loop.create_server: uvloop's listener accepts one connection a turn (listener.py).
+        socks = listener.bind(self._host, self._port, self._backlog, self._reuse_port)
+        self._server = cast(asyncio.AbstractServer, listener.Listener(socks, self._accept))
 
     def _accept(self) -> asyncio.Protocol:
         if self.connections.full:
