@@ -31,6 +31,10 @@ What aiohttp lacks, added here:
   not dead, and a restart would not help), then closed gently. An answer rather than not accepting: a
   connection left in the kernel's backlog looks like a hang to its client and to a load balancer, while
   503 with Retry-After is what the ``openai`` client and balancers retry elsewhere.
+* **a greedy accept** (:mod:`.listener`): uvloop's listener accepts one connection an event-loop turn,
+  so behind a loop busy with an overload a flood of new connections waited in the kernel's queue for
+  seconds, and past it had its handshakes dropped; here every waiting connection is taken when the
+  listening socket is ready.
 * **when a request arrived**: aiohttp keeps no time of a request's arrival, and under load the wait
   before a handler runs (the event loop, then the body) is where latency hides. Each connection stamps
   the first bytes of a request head with the event loop's time of that turn (:func:`arrived`), so
