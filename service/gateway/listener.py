@@ -78,6 +78,7 @@ class Listener:
         self._factory = factory
         self._loop = asyncio.get_running_loop()
         self._resting: dict[int, asyncio.TimerHandle] = {}
+        self._failing = False  # accepts fail (out of descriptors): logged once until one succeeds
         self._closed = False
         for sock in socks:
             self._loop.add_reader(sock.fileno(), self._ready, sock)
@@ -94,13 +95,16 @@ class Listener:
                     continue
                 self._rest(sock, exc)
                 return
+            self._failing = False
             conn.setblocking(False)
             loop.create_task(_connect(loop, factory, conn))
 
     def _rest(self, sock: socket.socket, exc: OSError) -> None:
         """Stop accepting on ``sock`` for :data:`RETRY_S` (out of descriptors or kernel memory)."""
         fd = sock.fileno()
-        log.warning("accept_failed", error=str(exc), retry_s=RETRY_S)
+        if not self._failing:  # (every RETRY_S while it lasts would flood the log)
+            self._failing = True
+            log.warning("accept_failed", error=str(exc), retry_s=RETRY_S)
         self._loop.remove_reader(fd)
         self._resting[fd] = self._loop.call_later(RETRY_S, self._resume, sock)
 

@@ -88,10 +88,14 @@ async def test_at_the_descriptor_limit_the_cap_is_lowered_and_the_server_recover
         proc.kill()
         _, err = proc.communicate(timeout=20)
     counts = {k: outcomes.count(k) for k in set(outcomes)}
-    assert set(counts) <= {"200", "503", "reset"}, counts
+    # Past the reserve the listener stops accepting until refusals close (listener.py): a new connection
+    # waits in the kernel's queue and gets its 503 then, not a reset (uvloop's listener reset them).
+    assert set(counts) <= {"200", "503"}, counts
     assert counts.get("200", 0) == 384, counts  # 512 less a quarter kept in reserve
-    assert counts.get("503", 0) > 0, counts
+    assert counts.get("503", 0) == 600 - 384, counts
     assert after == 200
     assert b"max_connections_lowered" in err
+    assert err.count(b"accept_failed") <= 20, "logged once a run of failed accepts, not every retry"
     print(f"outcome: RLIMIT_NOFILE 512, 600 connections held open: {counts} (cap lowered to 384; past the "
-          "reserve uvloop resets new connections); served again once they closed")
+          "reserve a new connection waits in the kernel's queue until a refusal closes, then gets its "
+          "503: no reset); served again once they closed")
