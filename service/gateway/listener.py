@@ -5,7 +5,7 @@ ready (since libuv 1.45, "don't accept() connections in a loop": a second ``acce
 nothing, they found). A turn of a loaded event loop reads, checks and answers every request that
 arrived on every connection: tens of milliseconds under an overload, so the process accepted 30 to 100
 connections a second while clients opened thousands. The kernel's queue of connections waiting to be
-accepted filled (``--backlog``, 2048 then) and stayed full for seconds: a client's connection there is
+accepted filled (2,048 deep here) and stayed full for seconds: a client's connection there is
 open to it and its request sent, unread; past the queue its handshake is dropped and retried after 1,
 3, 7, 15 s. A cold server flooded at four times its capacity by fresh connections (a replica that
 comes up under load, clients whose pools grow) answered 1% of the requests it admitted 9 to 34 s late,
@@ -14,9 +14,10 @@ every one of them sent in the flood's first second (BENCHMARKS.md, 2026-12-06).
 Here each socket is read by the event loop (``add_reader``) and, when ready, accepts what waits, up to
 :data:`ACCEPT_BURST` a turn, and hands each connection to the loop as ``loop.connect_accepted_socket``
 (asyncio's API for sockets accepted outside the loop; the transport is uvloop's as before). asyncio's
-own selector loop accepts so too (up to its backlog a turn). Out of descriptors (``EMFILE``, with the
-connection cap below the limit, only if something else holds them), the socket rests for
-:data:`RETRY_S` and the connections wait in the kernel's queue, as asyncio does.
+own selector loop accepts so too (up to its backlog a turn). Out of descriptors (``EMFILE``: the
+connection cap's reserve used up, by refusals still lingering or the process's own files), the socket
+rests for :data:`RETRY_S` and the connections wait in the kernel's queue, as asyncio does, to be
+answered once descriptors free up (uvloop's listener accepted and closed them: a reset).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self._resting: dict[int, asyncio.TimerHandle] = {}
         self._failing = False  # accepts fail (out of descriptors): logged once until one succeeds
+        self._connecting: set[asyncio.Task[None]] = set()  # (the loop keeps only weak references to tasks)
         self._closed = False
         for sock in socks:
             self._loop.add_reader(sock.fileno(), self._ready, sock)
@@ -97,7 +99,9 @@ class Listener:
                 return
             self._failing = False
             conn.setblocking(False)
-            loop.create_task(_connect(loop, factory, conn))
+            task = loop.create_task(_connect(loop, factory, conn))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
 
     def _rest(self, sock: socket.socket, exc: OSError) -> None:
         """Stop accepting on ``sock`` for :data:`RETRY_S` (out of descriptors or kernel memory)."""
