@@ -3,12 +3,12 @@
 uvloop's listener is libuv's, which accepts one connection each time the listening socket is reported
 ready (since libuv 1.45, "don't accept() connections in a loop": a second ``accept`` nearly always finds
 nothing, they found). A turn of a loaded event loop reads, checks and answers every request that
-arrived on every connection: tens of milliseconds under an overload, so the process accepted 30 to 100
-connections a second while clients opened thousands. The kernel's queue of connections waiting to be
+arrived on every connection: tens of milliseconds under an overload (``strace`` saw one ``accept4``
+every 10 to 30 ms), while clients opened thousands a second. The kernel's queue of connections waiting to be
 accepted filled (2,048 deep here) and stayed full for seconds: a client's connection there is
 open to it and its request sent, unread; past the queue its handshake is dropped and retried after 1,
 3, 7, 15 s. A cold server flooded at four times its capacity by fresh connections (a replica that
-comes up under load, clients whose pools grow) answered 1% of the requests it admitted 9 to 34 s late,
+comes up under load, clients whose pools grow) answered 1% of the requests it admitted 9 to 14 s late,
 every one of them sent in the flood's first second (BENCHMARKS.md, 2026-12-06).
 
 Here each socket is read by the event loop (``add_reader``) and, when ready, accepts what waits, up to
