@@ -153,11 +153,9 @@ def _cold_report(st: StepResult, dropped: int | None, capacity: float) -> str:
     """The cold flood's table."""
     goodput = st.ok / st.duration_s if st.duration_s else 0.0
     lat, t = st.latency, st.tail
-    refused = f"{(st.requests - st.ok) / st.requests:.1%}" if st.requests else "-"
     row = [f"{COLD_LOAD:g}×, cold", fmt(st.offered_rps), fmt(goodput), f"{goodput / capacity:.2f}×",
            fmt(lat.p50_ms if lat else None), fmt(lat.p99_ms if lat else None),
-           fmt(lat.p999_ms if lat else None), refused,
-           ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-",
+           fmt(lat.p999_ms if lat else None), _refused_share(st), _answers(st),
            fmt(t.outside_ms) if t else "-", fmt(t.queue_ms) if t else "-",
            "-" if dropped is None else str(dropped)]
     return (
@@ -207,9 +205,7 @@ def _report(bursts: dict[str, dict[str, object]], idle: dict[str, dict[str, int]
         goodput = st.ok / st.duration_s if st.duration_s else 0.0
         step_rows.append([f"{load:g}×", fmt(st.offered_rps), fmt(goodput), f"{goodput / capacity:.2f}×",
                           fmt(st.latency.p50_ms if st.latency else None), fmt(p99),
-                          f"{refused / st.requests:.1%}" if st.requests else "-",
-                          _late_share(st),
-                          ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-",
+                          _refused_share(st), _late_share(st), _answers(st),
                           fmt(cpu / st.duration_s, 2) if st.duration_s else "-",
                           fmt(per_refusal) if per_refusal is not None and load > 1 else "-",
                           fmt(st.send_lag.p99_ms if st.send_lag else None),
@@ -266,6 +262,16 @@ def _forward_figures(st: StepResult, probed: StepResult) -> list[str]:
     ratio = (b.forward_tokens_per_s / p.forward_tokens_per_s
              if p is not None and b.forward_tokens_per_s and p.forward_tokens_per_s else None)
     return [f"{busy:.2f}", f"{ratio:.2f}×" if ratio is not None else "-"]
+
+
+def _refused_share(st: StepResult) -> str:
+    """The step's requests answered other than 200, as a share of them ("-" if none were sent)."""
+    return f"{(st.requests - st.ok) / st.requests:.1%}" if st.requests else "-"
+
+
+def _answers(st: StepResult) -> str:
+    """The step's answers other than 200, by status ("-" if none)."""
+    return ", ".join(f"{k}×{v}" for k, v in st.by_status.items() if k != "200") or "-"
 
 
 def _late_share(st: StepResult) -> str:

@@ -3,8 +3,8 @@
 uvloop's listener is libuv's, which accepts one connection each time the listening socket is reported
 ready (since libuv 1.45, "don't accept() connections in a loop": a second ``accept`` nearly always finds
 nothing, they found). A turn of a loaded event loop reads, checks and answers every request that
-arrived on every connection: tens of milliseconds under an overload (``strace`` saw one ``accept4``
-every 10 to 30 ms), while clients opened thousands a second. The kernel's queue of connections waiting to be
+arrived on every connection: tens of milliseconds under an overload (``strace`` showed one ``accept4``
+a turn), while clients opened thousands a second. The kernel's queue of connections waiting to be
 accepted filled (2,048 deep here) and stayed full for seconds: a client's connection there is
 open to it and its request sent, unread; past the queue its handshake is dropped and retried after 1,
 3, 7, 15 s. A cold server flooded at four times its capacity by fresh connections (a replica that
@@ -41,26 +41,16 @@ _THEIRS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 
 
 def bind(host: str | None, port: int, backlog: int, reuse_port: bool = False) -> list[socket.socket]:
-    """Listening sockets for ``host`` (every address it resolves to; all interfaces for None or "")
-    and ``port``, as ``loop.create_server`` binds them: ``SO_REUSEADDR``, IPv6 sockets IPv6 only, and
-    ``SO_REUSEPORT`` when asked (``--workers`` gateways share the port)."""
+    """Non-blocking listening sockets for ``host`` (every address it resolves to, as
+    ``loop.create_server`` binds; all interfaces for None or "") and ``port``: ``socket.create_server``'s
+    (``SO_REUSEADDR``, IPv6 sockets IPv6 only), with ``SO_REUSEPORT`` when asked (``--workers``
+    gateways share the port)."""
     infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     socks: list[socket.socket] = []
     try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
+        for family, _, _, _, address in dict.fromkeys(infos):
+            sock = socket.create_server(address, family=family, backlog=backlog, reuse_port=reuse_port)
             socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                raise OSError(exc.errno, f"error while attempting to bind on address {address!r}: "
-                                         f"{exc.strerror}") from None
-            sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
         for sock in socks:

@@ -8,13 +8,15 @@ import asyncio
 import contextlib
 import errno
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import uvloop
 from coalesce.service.gateway import listener
 from coalesce.service.gateway.listener import Listener, bind
 
+T = TypeVar("T")
 FLOOD = 300  # connections waiting at once (within bind's backlog below)
 TURNS = 10  # event-loop turns the listener gets to accept them
 
@@ -56,29 +58,28 @@ async def _turns(n: int) -> None:
         await asyncio.sleep(0)
 
 
-def _on_uvloop(test: Callable[[], object]) -> None:
-    """Run ``test`` (a coroutine function) on uvloop, the event loop ``serve`` runs on."""
+def _on_uvloop(test: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``test()`` (a coroutine function) run on uvloop, the event loop ``serve`` runs on: its result."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(test())  # type: ignore[arg-type]
+        return runner.run(test())
 
 
 def _accepted_in_turns() -> int:
     """Of :data:`FLOOD` connections waiting before the loop runs, how many a :class:`Listener` has
     made within :data:`TURNS` event-loop turns."""
-    got: list[int] = []
 
-    async def flood() -> None:
+    async def flood() -> int:
         made, factory = _counting()
         server = Listener(bind("127.0.0.1", 0, backlog=1024), factory)
         with _clients(server.sockets[0].getsockname()[1], FLOOD):
             await _turns(TURNS)
-            got.append(len(made))
+            accepted = len(made)
             for t in made:
                 t.close()
         server.close()
+        return accepted
 
-    _on_uvloop(flood)
-    return got[0]
+    return _on_uvloop(flood)
 
 
 def test_a_flood_of_waiting_connections_is_accepted_within_a_few_turns(
@@ -108,13 +109,7 @@ def test_connections_are_answered_over_the_listeners_transport() -> None:
         server.close()
         return answer
 
-    got: list[bytes] = []
-    _on_uvloop(lambda: _collect(run, got))
-    assert got == [b"HELLO"]
-
-
-async def _collect(fn: Callable[[], object], into: list[bytes]) -> None:
-    into.append(await fn())  # type: ignore[misc]
+    assert _on_uvloop(run) == b"HELLO"
 
 
 class _OutOfDescriptors(socket.socket):
@@ -139,39 +134,38 @@ def test_out_of_descriptors_the_socket_rests_then_accepts_what_waited(
     sock.setblocking(False)
     sock.fail = 1
     made, factory = _counting()
-    seen: dict[str, int] = {}
 
-    async def run() -> None:
+    async def run() -> tuple[int, int]:
         server = Listener([sock], factory)
         with _clients(sock.getsockname()[1], 3):
             await _turns(TURNS)
-            seen["while_resting"] = len(made)  # the first accept failed: nothing taken for RETRY_S
+            while_resting = len(made)  # the first accept failed: nothing taken for RETRY_S
             await asyncio.sleep(0.2)
             await _turns(TURNS)
-            seen["after"] = len(made)
+            after = len(made)
             for t in made:
                 t.close()
         server.close()
+        return while_resting, after
 
-    _on_uvloop(run)
-    assert seen == {"while_resting": 0, "after": 3}
+    assert _on_uvloop(run) == (0, 3)
 
 
 def test_a_closed_listener_takes_no_more_connections() -> None:
     made, factory = _counting()
-    port: list[int] = []
 
-    async def run() -> None:
+    async def run() -> int:
         server = Listener(bind("127.0.0.1", 0, backlog=16), factory)
-        port.append(server.sockets[0].getsockname()[1])
+        port: int = server.sockets[0].getsockname()[1]
         server.close()
         server.close()  # (twice is once)
         await server.wait_closed()
         assert all(s.fileno() == -1 for s in server.sockets)
+        return port
 
-    _on_uvloop(run)
+    port = _on_uvloop(run)
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port[0]), timeout=5).close()
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     assert made == []
 
 
@@ -184,7 +178,7 @@ def test_bind_shares_a_port_only_when_asked() -> None:
         second = bind("127.0.0.1", port, backlog=16, reuse_port=True)  # a --workers gateway beside it
         for s in second:
             s.close()
-        with pytest.raises(OSError, match="error while attempting to bind on address"):
+        with pytest.raises(OSError, match="while attempting to bind on address"):
             bind("127.0.0.1", port, backlog=16)
     finally:
         for s in first:

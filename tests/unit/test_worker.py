@@ -393,6 +393,7 @@ def test_the_traced_cpu_forward_says_it_releases_the_interpreter_lock() -> None:
     assert not engine.forward_releases_lock, "the Python forward takes the lock back after every operator"
     copy = EncoderEngine(model, device=torch.device("cpu"), max_tokens=8, pad_id=0,  # type: ignore[arg-type]
                          graphs=SimpleNamespace(enabled=False), cpu_pool=lambda ids, lengths: ids)  # type: ignore[arg-type]
+    assert copy.forward_releases_lock
     copy.cpu_pool = None  # (lock_contention's Python side: a copy with the trace dropped)
     assert not copy.forward_releases_lock
 
