@@ -193,6 +193,7 @@ async def _engine_rounds(
 
         def counted(series: str) -> float:
             name = engine.models[0].info.name
+            metrics.flush()  # (the batcher's tally, as a scrape would read it)
             return metrics.registry.get_sample_value(series, {"model": name}) or 0.0
 
         warm = max(rounds // 10, 20) * gateways

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,13 +97,6 @@ class ModelSeries:
     deduplicated: Counter
 
 
-def observe_one(hist: Histogram, amount: float) -> None:
-    """``hist.observe(amount)``, its bucket found by bisection instead of prometheus_client's scan of
-    every bound and its observability check: the batcher observes four histograms per batch."""
-    hist._sum.inc(amount)
-    hist._buckets[bisect.bisect_left(hist._upper_bounds, amount)].inc(1)
-
-
 def observe_all(hist: Histogram, amounts: Iterable[float]) -> None:
     """``hist.observe(a)`` for every one of ``amounts``, in one write per bucket they fall in and one for
     their sum. Under ``--workers`` a write is a locked write to a shared file (and a ``getpid``), so a
@@ -119,6 +114,103 @@ def observe_all(hist: Histogram, amounts: Iterable[float]) -> None:
     hist._sum.inc(total)
     for i, n in counts.items():
         hist._buckets[i].inc(n)
+
+
+# How long a batcher's per-batch series may wait to be written (BatchTally). A scrape of one process
+# writes them first; under --workers a scrape reads the engine's files, at most this much behind.
+FLUSH_S = 0.05
+
+
+class _Bins:
+    """One histogram's observations not yet written: a count per bucket, how many, and their sum."""
+
+    __slots__ = ("bounds", "counts", "hist", "n", "total")
+
+    def __init__(self, hist: Histogram) -> None:
+        self.hist = hist
+        self.bounds: list[float] = hist._upper_bounds  # observe()'s own bounds (+Inf last)
+        self.counts = [0] * len(self.bounds)
+        self.n = 0
+        self.total = 0.0
+
+    def add(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # the first bound >= amount, as observe()
+        self.n += 1
+        self.total += amount
+
+    def write(self) -> None:
+        if not self.n:
+            return
+        hist, counts = self.hist, self.counts
+        hist._sum.inc(self.total)
+        for i, n in enumerate(counts):
+            if n:
+                hist._buckets[i].inc(n)
+                counts[i] = 0
+        self.n, self.total = 0, 0.0
+
+
+class BatchTally:
+    """A model's per-batch series (batches, inputs, tokens; batch size, padded tokens, padding, forward
+    time; each input's queue wait by priority) counted in plain Python and written to prometheus_client,
+    with the owner's gauges (``publish``), at most every :data:`FLUSH_S` and whenever the registry is
+    rendered. Under ``--workers`` every write is a locked write to a shared file, a dozen and more a
+    batch; counted here a batch costs a few list increments, and the files are written 20 times a second
+    at most. A histogram's scrape reads the same as if each value had been observed when it happened."""
+
+    def __init__(self, metrics: Metrics, series: ModelSeries, publish: Callable[[], None] | None = None
+                 ) -> None:
+        self._series = series
+        self._publish = publish  # the owner's gauges, set as they stand whenever the tally is written
+        self._size, self._padded, self._padding, self._forward = (
+            _Bins(h) for h in (series.batch_size, series.batch_tokens, series.padding_ratio,
+                               series.forward_seconds)
+        )
+        self._waits = tuple(_Bins(h) for h in series.queue_wait)  # by priority class
+        self._batches = self._inputs = self._tokens = 0
+        self._timer: asyncio.TimerHandle | None = None
+        metrics._tallies.add(self)
+
+    def batch(self, size: int, tokens: int, padded: int, padding: float, forward_s: float) -> None:
+        """One batch of ``size`` inputs, ``tokens`` real tokens padded to ``padded`` (``padding`` of them
+        padding, a share), run in ``forward_s``."""
+        self._batches += 1
+        self._inputs += size
+        self._tokens += tokens
+        self._size.add(size)
+        self._padded.add(padded)
+        self._padding.add(padding)
+        self._forward.add(forward_s)
+        if self._timer is None:
+            self.touch()
+
+    def touch(self) -> None:
+        """Something to write (the owner's gauges may have moved): written within :data:`FLUSH_S`."""
+        if self._timer is None:
+            with contextlib.suppress(RuntimeError):  # no loop to wait on: written when rendered
+                self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+
+    def waited(self, priority: int, seconds: Iterable[float]) -> None:
+        """Inputs of priority class ``priority`` that waited ``seconds`` each (counted with :meth:`batch`)."""
+        add = self._waits[priority].add
+        for s in seconds:
+            add(s)
+
+    def flush(self) -> None:
+        """Write what was counted since the last write."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._batches:
+            m = self._series
+            m.batches.inc(self._batches)
+            m.inputs.inc(self._inputs)
+            m.tokens.inc(self._tokens)
+            self._batches = self._inputs = self._tokens = 0
+        for bins in (self._size, self._padded, self._padding, self._forward, *self._waits):
+            bins.write()
+        if self._publish is not None:
+            self._publish()
 
 
 class Metrics:
@@ -259,6 +351,7 @@ class Metrics:
         self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._answered: list[tuple[str, int, float]] = []  # this event-loop turn's, not yet counted
         self._flush_loop: asyncio.AbstractEventLoop | None = None  # the loop that will count them
+        self._tallies: weakref.WeakSet[BatchTally] = weakref.WeakSet()  # written first by render()
         # Connections (gateway/guard.py): what hostile or broken clients cost, and what they were told.
         self.open_connections = Gauge(
             "coalesce_open_connections", "Client connections open now (those refused over the cap excluded).",
@@ -382,9 +475,16 @@ class Metrics:
         self.graph_batches.labels(model, "graph").set(get("graph_replays"))
         self.graph_batches.labels(model, "eager").set(get("eager_runs"))
 
-    def render(self) -> bytes:
+    def flush(self) -> None:
+        """Write every series counted but not yet written (the turn's answered requests, the batchers'
+        tallies): what a scrape of this process reads first."""
         if self._answered:
             self._flush_answered()
+        for tally in list(self._tallies):
+            tally.flush()
+
+    def render(self) -> bytes:
+        self.flush()
         path = self.multiprocess_dir
         if path is None:
             return generate_latest(self.registry)

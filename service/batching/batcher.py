@@ -30,7 +30,7 @@ from coalesce.kernels.protocol import OutputKind, is_raw, marks
 from .. import tracing
 from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRequest, Overloaded, Unavailable
 from ..logs import get_logger
-from ..metrics import Metrics, observe_all, observe_one
+from ..metrics import BatchTally, Metrics
 from .cache import ResultCache
 from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, PRIORITIES, Dispatch, Entry, Hold, Refusal, Scheduler, Wait
@@ -263,6 +263,8 @@ class Batcher:
         self.scheduler = scheduler
         self._metrics = metrics
         self._series = metrics.model_series(model)
+        # The per-batch series and the queue's and cost model's gauges, written a few times a second.
+        self._tally = BatchTally(metrics, self._series, publish=self._gauges)
         self._cache = cache if cache is not None and cache.capacity > 0 else None
         self._inflight: dict[bytes, _Work] = {}  # queued or running, by input key
         self._wake = _Wake(self._step)
@@ -628,7 +630,7 @@ class Batcher:
                 "The server is shutting down; retry on another replica.", retry_after=1, code="shutting_down"
             )
             self._answer(self.scheduler.drain_all(), err)
-            self._gauges()
+            self._tally.flush()
 
     def _step(self) -> None:
         sched = self.scheduler
@@ -672,7 +674,7 @@ class Batcher:
             if isinstance(decision, Wait):
                 self._wake_at(decision.until)
             break
-        self._gauges()
+        self._tally.touch()  # the queue's gauges
         if sched.queued_items == 0 and sched.inflight == 0:
             self._idle.set()
 
@@ -691,13 +693,21 @@ class Batcher:
         self._wake.set()
 
     def _gauges(self) -> None:
-        sched = self.scheduler
+        """The queue's and the cost model's gauges as they stand (when the tally is written)."""
+        sched, m = self.scheduler, self._series
         queue = (sched.queued_items, sched.queued_tokens, sched.standing)
         if queue != self._queue_shown:  # a gauge write is a locked file write under --workers
             self._queue_shown = queue
-            self._series.queue_depth.set(queue[0])
-            self._series.queued_tokens.set(queue[1])
-            self._series.queue_standing.set(queue[2])
+            m.queue_depth.set(queue[0])
+            m.queued_tokens.set(queue[1])
+            m.queue_standing.set(queue[2])
+        cost = sched.cost
+        if cost.coef is not self._coef_shown:  # refitted (every few batches)
+            self._coef_shown = cost.coef
+            m.cost_overhead.set(cost.coef.overhead_s)
+            m.cost_per_token.set(cost.coef.per_token_s)
+            m.cost_spread.set(cost.spread)
+            m.cost_run_spread.set(cost.run_spread)
         # Only tenants with work waiting are exported: tenant names come from clients. Under --workers
         # the shared series can never be removed, so none is exported there.
         if self._metrics.multiprocess_dir is not None:
@@ -773,13 +783,6 @@ class Batcher:
                     span.set_attribute("coalesce.forward_ms", round(seconds * 1e3, 3))
                 span.end()
             self.scheduler.done(padded, seconds, time.monotonic())
-            coef = self.scheduler.cost.coef
-            if coef is not self._coef_shown:  # refitted (every few batches)
-                self._coef_shown = coef
-                m.cost_overhead.set(coef.overhead_s)
-                m.cost_per_token.set(coef.per_token_s)
-                m.cost_spread.set(self.scheduler.cost.spread)
-                m.cost_run_spread.set(self.scheduler.cost.run_spread)
             self._wake.set()
 
     def _batch_span(self, tracer: tracing.Tracer, batch: list[_Work], padded: int, start: float) -> Any:
@@ -813,22 +816,16 @@ class Batcher:
         return span
 
     def _record(self, batch: Sequence[Entry], padded: int, start: float, out: Output) -> None:
-        m = self._series
+        tally = self._tally
         tokens = sum(e.n_tokens for e in batch)
-        m.batches.inc()
-        m.inputs.inc(len(batch))
-        m.tokens.inc(tokens)
-        observe_one(m.batch_size, len(batch))
-        observe_one(m.batch_tokens, padded)
-        observe_one(m.padding_ratio, padding_ratio([e.n_tokens for e in batch], padded))
-        observe_one(m.forward_seconds, out.forward_s)
-        waits = m.queue_wait
+        # (padding_ratio reads only the lengths' sum)
+        tally.batch(len(batch), tokens, padded, padding_ratio((tokens,), padded), out.forward_s)
         priority = batch[0].priority
         if all(e.priority == priority for e in batch):  # (the common case: one class)
-            observe_all(waits[priority], [start - e.arrival for e in batch])
+            tally.waited(priority, [start - e.arrival for e in batch])
         else:
-            for p, hist in enumerate(waits):
-                observe_all(hist, [start - e.arrival for e in batch if e.priority == p])
+            for e in batch:
+                tally.waited(e.priority, (start - e.arrival,))
         if not log.is_enabled_for(logging.DEBUG):
             return  # the fields below cost a pass over the batch each: only when someone reads them
         log.debug(

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from coalesce.loadtests import procs
 from coalesce.loadtests.bench_longinput import long_texts
+from coalesce.service.metrics import FLUSH_S
 
 from ..conftest import REPO, metric, metrics_text, roles, wait_all_gateways, wait_ready
 from ..fakes import FileGate
@@ -83,8 +84,8 @@ async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_mo
             s.post(r.url + "/embed", json={"inputs": p}) for p in pairs
         ))
         batch_rows = [await resp.json() for resp in batch]
-        async with s.get(r.url + "/metrics") as resp:
-            metrics = await resp.text()
+    # The engine writes its batch series to the shared files a few times a second (BatchTally).
+    metrics = await until(r.url, "coalesce_inputs_total", 24 + 16, MODEL)
     assert len(gateways) == 2, "both gateways must have served"
     want = st_model.encode(texts, normalize_embeddings=True)
     assert np.sum(np.asarray(rows) * want, axis=1).min() >= 0.99999
@@ -223,6 +224,8 @@ async def test_a_caller_that_leaves_has_its_queued_inputs_dropped_in_the_engine(
         finally:
             gate.release()
         assert (await busy).status == 200
+    await until(r.url, "coalesce_inputs_total", 1, MODEL)  # the busy batch, written by the engine
+    await asyncio.sleep(4 * FLUSH_S)  # and anything written after it
     text = await metrics_text(r.url)
     assert metric(text, "coalesce_rejected_total", MODEL, reason="cancelled") == 5
     assert metric(text, "coalesce_inputs_total", MODEL) == 1, "never computed"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from coalesce.service.metrics import observe_all, observe_one
+import pytest
+from coalesce.service.metrics import FLUSH_S, BatchTally, Metrics, observe_all
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 
@@ -32,6 +34,7 @@ def test_under_workers_series_are_written_without_asking_the_kernel_and_a_fork_w
     script = r"""
 import os, sys
 from coalesce.service.metrics import Metrics
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -63,12 +66,64 @@ sys.stdout.write(generate_latest(reg).decode())
     assert len(files) == 2  # the parent's and the forked child's
 
 
-def test_one_value_observed_by_bisection_reads_as_prometheus_clients_own_observe() -> None:
-    buckets = (0.001, 0.0025, 0.005, 0.01, 1.0, 30.0)
-    ours, theirs = CollectorRegistry(), CollectorRegistry()
-    fast = Histogram("wait_seconds", "w", buckets=buckets, registry=ours)
-    plain = Histogram("wait_seconds", "w", buckets=buckets, registry=theirs)
-    for v in (0.0, 0.001, 0.0010001, 0.0025, 0.7, 1.0, 29.9, 30.0, 31.0, 1e9):  # edges, between, beyond
-        observe_one(fast, v)
-        plain.observe(v)
-    assert generate_latest(ours) == generate_latest(theirs)
+def _batch_series(text: str) -> dict[str, float]:
+    """The batcher's samples of a scrape, by series and labels."""
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in text.splitlines())
+            if name.startswith(("coalesce_batch", "coalesce_inputs", "coalesce_tokens", "coalesce_forward",
+                                "coalesce_queue_wait"))}
+
+
+def test_a_tally_of_batches_reads_as_each_batch_observed_when_it_ran() -> None:
+    """The batcher's per-batch series counted in a tally read, once written, exactly as prometheus_client's
+    own ``observe`` and ``inc`` of every value: bucket edges, values beyond the last bound, three
+    priority classes, several writes."""
+    batches = [  # size, tokens, padded, padding share, forward seconds, (priority, wait) per input
+        (1, 7, 7, 0.0, 0.001, [(1, 0.0)]),
+        (3, 20, 30, 1 / 3, 0.0025, [(0, 0.001), (1, 0.0010001), (2, 31.0)]),
+        (512, 4000, 4096, 0.0234375, 0.7, [(1, 0.5)] * 512),
+        (600, 70000, 300000, 0.7666, 45.0, [(2, 1e9)] * 600),
+    ]
+    tallied, plain = Metrics(), Metrics()
+    tally = BatchTally(tallied, tallied.model_series("m"))
+    each = plain.model_series("m")
+    for n, (size, tokens, padded, padding, forward, waits) in enumerate(batches):
+        tally.batch(size, tokens, padded, padding, forward)
+        for priority, wait in waits:
+            tally.waited(priority, (wait,))
+        if n == 1:
+            tally.flush()  # written twice: counts add up, nothing written twice
+        each.batches.inc()
+        each.inputs.inc(size)
+        each.tokens.inc(tokens)
+        each.batch_size.observe(size)
+        each.batch_tokens.observe(padded)
+        each.padding_ratio.observe(padding)
+        each.forward_seconds.observe(forward)
+        for priority, wait in waits:
+            each.queue_wait[priority].observe(wait)
+    got, want = _batch_series(tallied.render().decode()), _batch_series(plain.render().decode())
+    assert want['coalesce_inputs_total{model="m"}'] == 1116
+    assert want['coalesce_queue_wait_seconds_bucket{le="+Inf",model="m",priority="low"}'] == 601
+    assert got == pytest.approx(want, rel=1e-12)  # (sums added in another order: the last bit may differ)
+
+
+async def test_a_tally_is_written_within_the_flush_interval_without_a_scrape() -> None:
+    """Under ``--workers`` nothing renders the engine's registry: its tallies reach the shared files on
+    their own, one write per interval however many batches ran in it."""
+    metrics = Metrics()
+    series = metrics.model_series("m")
+    tally = BatchTally(metrics, series)
+    for _ in range(50):
+        tally.batch(2, 10, 12, 1 / 6, 0.001)
+        tally.waited(1, (0.002, 0.003))
+    read = lambda name: metrics.registry.get_sample_value(name, {"model": "m"})  # noqa: E731 (no flush)
+    assert read("coalesce_batches_total") == 0, "written at once, not per interval"
+    await asyncio.sleep(FLUSH_S * 4)
+    assert read("coalesce_batches_total") == 50
+    assert read("coalesce_inputs_total") == 100
+    assert metrics.registry.get_sample_value(
+        "coalesce_queue_wait_seconds_count", {"model": "m", "priority": "normal"}) == 100
+    tally.batch(1, 5, 5, 0.0, 0.001)  # the next interval's
+    assert read("coalesce_batches_total") == 50
+    await asyncio.sleep(FLUSH_S * 4)
+    assert read("coalesce_batches_total") == 51
