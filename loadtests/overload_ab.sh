@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The bench's overload (or soak) section, one code or knob beside another, alternated in one run on this
-# machine (current, baseline, current, ...), so that a change to admission is read side by side on a
-# noisy VM, where one run's 4× goodput has ranged over a third:
+# The bench's overload (or soak, or engine) section, one code or knob beside another, alternated in one
+# run on this machine (current, baseline, current, ...), so that a change to admission (or to the cost
+# per request) is read side by side on a noisy VM, where one run's 4× goodput has ranged over a third:
 #
 #     bash loadtests/overload_ab.sh REV [ROUNDS]
 #     CURRENT_ENV="COALESCE_QUEUE_INTERVAL_MS=250" bash loadtests/overload_ab.sh - [ROUNDS]
@@ -10,13 +10,15 @@
 # baseline's runs, its server's included (baseline_site.sh); REV `-`: this checkout's code on both sides,
 # to compare knobs. CURRENT_ENV and BASELINE_ENV (space-separated VAR=VALUE, e.g. a COALESCE_* knob) go
 # into each side's environment, which the servers inherit. ROUNDS (default 2) pairs. SECTION: overload
-# (default) or soak (SOAK_MINUTES, default 10). Each run is `python -m coalesce.loadtests.bench --only
+# (default), soak (SOAK_MINUTES, default 10) or engine. Each run is `python -m coalesce.loadtests.bench --only
 # SECTION` against a scratch copy of BENCHMARKS.md, Infinity left out (its burst is the same program in
 # every run); its log, copy and raw results go under OUT (default bench-out/SECTION-ab). Prints one line
 # per run: round, which code, the capacity probe, then for overload at 2× and at 4× the admitted p99
 # (ms), goodput ÷ capacity and the event loop's CPU per refusal (µs), and the burst's failed calls and
 # wall time (s); for soak the worst phase's admitted p99 (ms), the 2× phases' p99 (ms) and their mean
-# goodput ÷ capacity.
+# goodput ÷ capacity; for engine the null model's CPU µs per request at saturation (16 clients) of one
+# process, of the --workers 2 engine and of its gateways, one process ÷ the stub, the --workers 2 engine's
+# µs at 1,200/s, and the real model's --workers 2 ÷ one process.
 set -euo pipefail
 rev=${1:?usage: bash loadtests/overload_ab.sh REV [ROUNDS]}
 rounds=${2:-2}
@@ -34,7 +36,9 @@ case $section in
         echo "round code     capacity/s 2x_p99_ms 2x_goodput 2x_us/refusal 4x_p99_ms 4x_goodput 4x_us/refusal burst_failed burst_s cold_p99_ms cold_goodput" ;;
     soak) args=(--soak-minutes "${SOAK_MINUTES:-10}")
         echo "round code     capacity/s worst_p99_ms 2x_p99s_ms 2x_goodput" ;;
-    *) echo "SECTION: overload or soak" >&2; exit 2 ;;
+    engine) args=()
+        echo "round code     one_process_us one_process_x_stub engine_us gateways_us engine_1200_us workers2_x_one" ;;
+    *) echo "SECTION: overload, soak or engine" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 for r in $(seq "$rounds"); do
@@ -49,6 +53,19 @@ for r in $(seq "$rounds"); do
         cp BENCHMARKS.md "$out/$code$r.md"
         "${env[@]}" "$py" -m coalesce.loadtests.bench --only "$section" --file "$out/$code$r.md" \
             --out "$out/$code$r" "${args[@]}" > "$out/$code$r.log" 2>&1
+        if [ "$section" = engine ]; then
+            # The section's table as written to the scratch copy: null-model rows, then the real model's ratio.
+            figures=$(awk -F'|' '
+                /bench:engine:start/ { on = 1 } /bench:engine:end/ { on = 0 } !on { next }
+                { for (i = 2; i <= NF; i++) gsub(/^ +| +$|,/, "", $i) }
+                $2 == "one process" && $3 == "saturation 16 clients" { one = $7 " " $8 }
+                $2 == "--workers 2" && $3 == "saturation 16 clients" { eng = $5 " " $6 }
+                $2 == "--workers 2" && $3 == "1200/s" { slow = $5 }
+                $2 ~ /^throughput --workers 2 ÷ one process/ { ratio = $4 }
+                END { print one, eng, slow, ratio }' "$out/$code$r.md")
+            printf '%-5s %-8s %s\n' "$r" "$code" "$figures"
+            continue
+        fi
         if [ "$section" = soak ]; then
             # The probe, the worst phase's p99, then each 2× phase's p99 and their mean achieved ÷ probe.
             figures=$(awk -F'|' '
