@@ -333,8 +333,12 @@ class Trimmer:
         self._thread.start()
 
     def batch_done(self) -> None:
-        """A batch finished (any thread)."""
-        self._work.set()
+        """A batch finished (any thread). The event is set only when it is clear: ``Event.set`` takes a
+        lock and notifies each time, and from a run's first batch until its trim starts the event stays
+        set (the thread clears it just before trimming, so that trim follows every batch that found it
+        set)."""
+        if not self._work.is_set():
+            self._work.set()
 
     def _run(self) -> None:
         # The trimmer thread only: the events are its sole shared state.

@@ -8,6 +8,11 @@ process writes its series to that directory and ``render`` aggregates all of the
 any worker describes the replica: counters and histograms add up, and each gauge says how its workers'
 values combine (``multiprocess_mode``; ignored in a single process).
 
+Written in bulk: a turn's answered requests when the turn ends, a batcher's per-batch series and gauges
+(:class:`BatchTally`) at most every :data:`FLUSH_S`; ``render`` writes what is pending first, so a scrape
+of one process reads every request and batch so far, and under ``--workers`` the engine's series reach
+the shared files at most :data:`FLUSH_S` late.
+
 Resident memory: one process exports prometheus_client's ``process_*`` series
 (``process_resident_memory_bytes`` among them); under ``--workers`` the scrape reads each process's
 from /proc, ``process_resident_memory_bytes{process="supervisor"|"engine"|"gateway-N"}``.
