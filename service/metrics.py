@@ -102,25 +102,6 @@ class ModelSeries:
     deduplicated: Counter
 
 
-def observe_all(hist: Histogram, amounts: Iterable[float]) -> None:
-    """``hist.observe(a)`` for every one of ``amounts``, in one write per bucket they fall in and one for
-    their sum. Under ``--workers`` a write is a locked write to a shared file (and a ``getpid``), so a
-    batch's inputs cost a write or two, not two each. (prometheus_client has no bulk observe: this reads
-    the histogram's own bounds and values, as its ``observe`` does.)"""
-    bounds: list[float] = hist._upper_bounds
-    counts: dict[int, int] = {}
-    total = 0.0
-    for amount in amounts:
-        total += amount
-        i = bisect.bisect_left(bounds, amount)  # the first bound >= amount, as observe() picks
-        counts[i] = counts.get(i, 0) + 1
-    if not counts:
-        return
-    hist._sum.inc(total)
-    for i, n in counts.items():
-        hist._buckets[i].inc(n)
-
-
 # How long a batcher's per-batch series may wait to be written (BatchTally). A scrape of one process
 # writes them first; under --workers a scrape reads the engine's files, at most this much behind.
 FLUSH_S = 0.05
@@ -153,6 +134,17 @@ class _Bins:
                 hist._buckets[i].inc(n)
                 counts[i] = 0
         self.n, self.total = 0, 0.0
+
+
+def observe_all(hist: Histogram, amounts: Iterable[float]) -> None:
+    """``hist.observe(a)`` for every one of ``amounts``, in one write per bucket they fall in and one for
+    their sum. Under ``--workers`` a write is a locked write to a shared file (and a ``getpid``), so a
+    turn's requests cost a write or two, not two each. (prometheus_client has no bulk observe: this reads
+    the histogram's own bounds and values, as its ``observe`` does.)"""
+    bins = _Bins(hist)
+    for amount in amounts:
+        bins.add(amount)
+    bins.write()
 
 
 class BatchTally:
