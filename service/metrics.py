@@ -347,6 +347,7 @@ class Metrics:
         )
         self._request_series: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         self._answered: list[tuple[str, int, float]] = []  # this event-loop turn's, not yet counted
+        self._in_flight = 0  # this turn's requests started less those ended, not yet written
         self._flush_loop: asyncio.AbstractEventLoop | None = None  # the loop that will count them
         self._tallies: weakref.WeakSet[BatchTally] = weakref.WeakSet()  # written first by render()
         # Connections (gateway/guard.py): what hostile or broken clients cost, and what they were told.
@@ -406,29 +407,54 @@ class Metrics:
         waits = tuple(self.queue_wait.labels(model, cls) for cls in PRIORITY_NAMES)
         return ModelSeries(queue_wait=waits, **fields)  # type: ignore[arg-type]
 
-    def request_done(self, route: str, status: int, seconds: float) -> None:
-        """Count one answered request (``route`` is a canonical route, so the key set stays small).
+    def request_started(self) -> None:
+        """Count one request in flight (``coalesce_inflight_requests``) until :meth:`request_done` with
+        ``started``. On an event loop a turn's starts and ends are written together when the turn ends,
+        as their net change (as the answered requests are: :meth:`request_done`): one locked write or
+        none a turn, not two a request (under ``--workers``, each a write to the gauge's shared file)."""
+        if self._in_turn():
+            self._in_flight += 1
+        else:
+            self.inflight.inc()
+
+    def request_done(self, route: str, status: int, seconds: float, *, started: bool = False) -> None:
+        """Count one answered request (``route`` is a canonical route, so the key set stays small);
+        ``started``: one :meth:`request_started` counted, no longer in flight.
 
         On an event loop the turn's requests are counted together when the turn ends (a scrape, which
         comes in a later turn, sees them all; ``render`` counts what is left first): one locked write per
         series and bucket per turn instead of three or four per request."""
+        if not self._in_turn():
+            if started:
+                self.inflight.dec()
+            self._count_answered([(route, status, seconds)])
+            return
+        if started:
+            self._in_flight -= 1
+        self._answered.append((route, status, seconds))
+
+    def _in_turn(self) -> bool:
+        """Whether what is counted now is written when the running event loop's turn ends (False: no
+        loop runs; write it at once)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop: at once
             loop = None
         if loop is not self._flush_loop or loop is None:
-            if self._answered:  # left by a loop that ended before its turn did
+            if self._answered or self._in_flight:  # left by a loop that ended before its turn did
                 self._flush_answered()
             if loop is None:
-                self._count_answered([(route, status, seconds)])
-                return
+                return False
             self._flush_loop = loop
             loop.call_soon(self._flush_answered)
-        self._answered.append((route, status, seconds))
+        return True
 
     def _flush_answered(self) -> None:
         answered, self._answered = self._answered, []
+        in_flight, self._in_flight = self._in_flight, 0
         self._flush_loop = None
+        if in_flight:
+            self.inflight.inc(in_flight)
         if answered:
             self._count_answered(answered)
 
@@ -475,7 +501,7 @@ class Metrics:
     def flush(self) -> None:
         """Write every series counted but not yet written (the turn's answered requests, the batchers'
         tallies): what a scrape of this process reads first."""
-        if self._answered:
+        if self._answered or self._in_flight:
             self._flush_answered()
         for tally in list(self._tallies):
             tally.flush()

@@ -66,7 +66,7 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     structlog.contextvars.bind_contextvars(request_id=rid)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    metrics.inflight.inc()
+    metrics.request_started()
     t0 = time.perf_counter()
     status = 499  # the client went away unless we get further
     try:
@@ -77,8 +77,7 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         return resp
     finally:
         elapsed = time.perf_counter() - t0
-        metrics.inflight.dec()
-        metrics.request_done(route, status, elapsed)
+        metrics.request_done(route, status, elapsed, started=True)
         log.debug("request", method=request.method, route=route, status=status, ms=round(elapsed * 1e3, 3))
         structlog.contextvars.unbind_contextvars("request_id")
 

@@ -482,9 +482,11 @@ async def read_body(request: web.Request, handler: Handler) -> web.StreamRespons
         settings = request.app[SETTINGS]
         if (request.content_length or 0) > settings.max_body_bytes:
             raise body_too_large(settings.max_body_bytes)
+        if request.content.is_eof():  # it came whole with the head (a small one): nothing to wait for
+            await request.read()
+            return await handler(request)
         try:
-            # A body that came whole with the head (a small one) has nothing to wait for: no timer then.
-            async with asyncio.timeout(None if request.content.is_eof() else settings.body_timeout_s):
+            async with asyncio.timeout(settings.body_timeout_s):
                 await request.read()
         except TimeoutError:
             request.app[METRICS].connections_refused.labels("body_timeout").inc()
