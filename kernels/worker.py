@@ -325,21 +325,28 @@ def loop_share(device: object, above: float, *, judge_forward: bool = False) -> 
 
 
 # ``--cpu-forwards 0`` (auto) runs this many forwards side by side where torch's CPU forward has exactly
-# this many cores and runs without the interpreter lock (a traced forward): measured on a 2-core machine
-# (BENCHMARKS.md, overload section); one forward at a time elsewhere until larger hosts are measured.
+# this many cores and runs without the interpreter lock (a traced forward), in one process: measured on a
+# 2-core machine (BENCHMARKS.md, overload section); one forward at a time elsewhere until larger hosts are
+# measured, and in the engine process of ``--workers``, whose gateways share those cores (measured there
+# too: one at a time kept the tail under an open-loop overload and served more in a closed loop).
 AUTO_FORWARDS = 2
 
 
-def cpu_forwards(device: object, forwards: int, runner: object) -> int:
+def cpu_forwards(device: object, forwards: int, runner: object, *, beside_gateways: bool = False) -> int:
     """``--cpu-forwards`` for a runner whose forward runs on ``device``: ``forwards`` as given, or for 0
     (auto) :data:`AUTO_FORWARDS` where torch's CPU forward (:func:`_cpu_torch`) has exactly that many
     threads and ``runner`` says its forward releases the interpreter lock (``forward_releases_lock``),
     else 1. Forwards side by side that each take the lock back after every operator wait for each other
-    and for the event loop (lock_contention.py): one forward on every core served more there."""
+    and for the event loop (lock_contention.py): one forward on every core served more there.
+    ``beside_gateways`` (the engine process of ``--workers``): auto is 1. There the gateway processes
+    share the forwards' cores, and on two cores two forwards side by side answered a 2× open-loop
+    overload's admitted requests at a p99 of 0.77–1.10 s against 0.50 s one at a time (serving more of
+    it), a cold 4× flood's at 5.7–6.0 s against 0.7–0.9 s, and 32 closed-loop clients at 0.81–1.00× the
+    rate (BENCHMARKS.md, the session of 2026-12-06 19:57)."""
     if forwards > 0:
         return forwards
     torch = _cpu_torch(device)
-    if torch is None or not getattr(runner, "forward_releases_lock", False):
+    if beside_gateways or torch is None or not getattr(runner, "forward_releases_lock", False):
         return 1
     return AUTO_FORWARDS if torch.get_num_threads() == AUTO_FORWARDS else 1
 

@@ -84,7 +84,8 @@ class Engine:
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
-            wanted = cpu_forwards(runner.device, settings.cpu_forwards, runner)
+            wanted = cpu_forwards(runner.device, settings.cpu_forwards, runner,
+                                  beside_gateways=settings.role == "engine")
             side = side_by_side(runner.device, wanted)
             if side is not None and len(self.device.lanes) == 1:
                 self.device.side_by_side(wanted, side)

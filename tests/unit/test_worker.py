@@ -376,6 +376,9 @@ def test_auto_cpu_forwards_are_two_only_for_a_lock_free_forward_on_two_cores(
     for n in (1, 4, 16):
         cores[0] = n
         assert cpu_forwards("cpu", 0, traced) == 1, f"{n} cores: not measured, one at a time"
+    cores[0] = 2
+    assert cpu_forwards("cpu", 0, traced, beside_gateways=True) == 1, "the engine of --workers: one at a time"
+    assert cpu_forwards("cpu", 2, traced, beside_gateways=True) == 2, "as given"
     monkeypatch.delitem(sys.modules, "torch")
     assert cpu_forwards("cpu", 0, traced) == 1, "a torch-free process"
 
@@ -407,10 +410,10 @@ async def test_the_engine_resolves_auto_cpu_forwards_from_its_runner(monkeypatch
     # torch's CPU forward on two cores, mocked: what auto reads (any machine runs this)
     monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(get_num_threads=lambda: 2,
                                                               set_num_threads=threads.append))
-    for releases, lanes in ((True, 2), (False, 1)):
+    for releases, role, lanes in ((True, "all", 2), (False, "all", 1), (True, "engine", 1)):
         runner = replace(FakeRunner(), device="cpu")
         runner.forward_releases_lock = releases  # type: ignore[attr-defined]
-        settings = build(["--model", "a=/models/a", "--loop-core-share", "0"], environ={})
+        settings = build(["--model", "a=/models/a", "--loop-core-share", "0", "--role", role], environ={})
         assert settings.cpu_forwards == 0, "auto by default"
         engine = core.Engine(settings, Metrics(), lambda spec, r=runner: r)
         await engine.load()
