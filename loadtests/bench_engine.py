@@ -14,8 +14,9 @@ still works across gateways.
   message's round trip to another process.
 * The real model, 32 closed-loop clients: ``--workers 2`` against ``--workers 1`` and against the
   in-process sentence-transformers rate at its best batch size, throughput and mean batch size (one
-  queue per model in the engine: batches must not shrink as gateways are added); and both with one
-  forward at a time (``--cpu-forwards 1``) beside them, where the default runs two side by side.
+  queue per model in the engine: batches must not shrink as gateways are added); and each beside the
+  other choice of CPU forwards (where the default, on two cores, runs two side by side in one process and
+  one at a time in the engine of ``--workers``).
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ WAKE_CALLS = ("Link.send", "Lane.call", "ModelWorker.start.<locals>.reply", "Str
 NULL = ["--runner-factory", "coalesce.loadtests.nullmodel:factory", "--cache-mb", "0",
         "--log-level", "warning"]
 PROJECTED_CORES = 16
-# The real model with one forward at a time on every core (--cpu-forwards 1), beside the default, which
-# on a 2-core machine with a traced forward runs two side by side (worker.cpu_forwards).
-ONE_FORWARD = [("one process, one forward", ["--cpu-forwards", "1"]),
-               ("--workers 2, one forward", ["--workers", "2", "--cpu-forwards", "1"])]
+# The real model with the other choice of CPU forwards beside the default (worker.cpu_forwards), which on
+# a 2-core machine with a traced forward runs two side by side in one process, one at a time in the engine
+# of --workers: one process with one forward at a time on every core, --workers 2 with two side by side.
+OTHER_FORWARDS = [("one process, one forward", ["--cpu-forwards", "1"]),
+                  ("--workers 2, two forwards", ["--workers", "2", "--cpu-forwards", "2"])]
 
 
 def _cpu_by_role(pid: int) -> dict[str, float]:
@@ -275,7 +277,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     best_batch, best_rate = sentence_transformers_best(_sentences(closed))
     with contextlib.ExitStack() as stack:  # all up at once, their runs interleaved, as above
         up = {}
-        for name, flags in [*configs[1:], *ONE_FORWARD]:
+        for name, flags in [*configs[1:], *OTHER_FORWARDS]:
             assert flags is not None
             up[name] = stack.enter_context(servers.running(
                 _spec(args, f"real {name}", ["--log-level", "warning", *flags]), out / "logs",
@@ -286,7 +288,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         )
     real = {name: median_by(sts, lambda st: st.achieved_rps) for name, sts in real_runs.items()}
     one, two = real["one process"], real["--workers 2"]
-    one_1, two_1 = (real[name] for name, _ in ONE_FORWARD)
+    one_other, two_other = (real[name] for name, _ in OTHER_FORWARDS)
     vs_best = one.achieved_rps / best_rate if best_rate else 0.0
     throughput = two.achieved_rps / one.achieved_rps if one.achieved_rps else 0.0
     mean_one = one.batch.mean_batch_size if one.batch else 0.0
@@ -338,14 +340,15 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of "
         "median throughput shown), on this machine's cores (the gateways and the engine "
         "share them with the load generator); in-process sentence-transformers at its best batch size "
-        f"({best_batch}) embeds {best_rate:,.0f} sentences/s. The last two rows run one forward at a time on "
-        "every core (`--cpu-forwards 1`); the rows above run the default, which on two cores with the "
-        "traced forward is two forwards side by side, one core each:\n\n"
+        f"({best_batch}) embeds {best_rate:,.0f} sentences/s. The rows above run the default, which on two "
+        "cores with the traced forward is two forwards side by side, one core each, in one process and "
+        "one forward at a time on every core in the engine of `--workers`; the last two rows run the "
+        "other choice (`--cpu-forwards 1` in one process, `--cpu-forwards 2` under `--workers 2`):\n\n"
         + markdown_table(["server", "throughput (req/s)", "p50 ms", "p99 ms", "mean batch", "errors"],
                          real_rows)
-        + f"\n\nThe default served {ratio(one.achieved_rps, one_1.achieved_rps)} the requests/s of one "
-        f"forward at a time in one process, {ratio(two.achieved_rps, two_1.achieved_rps)} under "
-        "`--workers 2`.\n\n"
+        + f"\n\nThe default served {ratio(one.achieved_rps, one_other.achieved_rps)} the requests/s of one "
+        f"forward at a time in one process, {ratio(two.achieved_rps, two_other.achieved_rps)} the "
+        "requests/s of two side by side under `--workers 2`.\n\n"
         + markdown_table(["figure", "target", "measured", ""], figures)
         + "\n"
     )
