@@ -340,9 +340,9 @@ def cpu_forwards(device: object, forwards: int, runner: object, *, beside_gatewa
     and for the event loop (lock_contention.py): one forward on every core served more there.
     ``beside_gateways`` (the engine process of ``--workers``): auto is 1. There the gateway processes
     share the forwards' cores, and on two cores two forwards side by side answered a 2× open-loop
-    overload's admitted requests at a p99 of 0.77–1.10 s against 0.50 s one at a time (serving more of
-    it), a cold 4× flood's at 5.7–6.0 s against 0.7–0.9 s, and 32 closed-loop clients at 0.81–1.00× the
-    rate (BENCHMARKS.md, the session of 2026-12-06 19:57)."""
+    overload's admitted requests at a p99 of 0.77–1.47 s against 0.49–0.50 s one at a time (serving more
+    of it), a cold 4× flood's at 2.3–6.0 s against 0.7–0.9 s, and 32 closed-loop clients at 0.81–1.00×
+    the rate (BENCHMARKS.md, the session of 2026-12-06 19:57)."""
     if forwards > 0:
         return forwards
     torch = _cpu_torch(device)
