@@ -137,7 +137,7 @@ async def test_requests_in_flight_are_written_once_a_turn_and_read_exactly_by_a_
     for _ in range(5):
         metrics.request_started()
     metrics.request_done("/v1/embeddings", 200, 0.01, started=True)
-    metrics.request_done("/health", 200, 0.001)  # answered from its head: never counted as started
+    metrics.request_done("/v1/embeddings", 429, 0.001)  # refused from its head (shed): never started
     assert read() == 0, "written at once, not when the turn ends"
     await asyncio.sleep(0)
     await asyncio.sleep(0)
