@@ -79,13 +79,14 @@ class Engine:
         """Load, warm and calibrate every model, then start its batcher. Raises if any model fails."""
         loop = asyncio.get_running_loop()
         settings, metrics = self._settings, self._metrics
+        beside_gateways = settings.role == "engine"  # the engine of --workers: gateways share its cores
         for spec in settings.model_specs:
             t0 = time.perf_counter()
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
             wanted = cpu_forwards(runner.device, settings.cpu_forwards, runner,
-                                  beside_gateways=settings.role == "engine")
+                                  beside_gateways=beside_gateways)
             side = side_by_side(runner.device, wanted)
             if side is not None and len(self.device.lanes) == 1:
                 self.device.side_by_side(wanted, side)
@@ -95,7 +96,7 @@ class Engine:
                 depth = forwards  # (each forward on its own thread: none to prepare beside, none to spare)
             elif self.share is None:
                 self.share = loop_share(runner.device, settings.loop_core_share,
-                                        judge_forward=settings.role == "engine")
+                                        judge_forward=beside_gateways)
                 if self.share is not None:
                     self.share.on_change = self._forward_threads
                     metrics.forward_threads.set(self.share.threads)
