@@ -511,10 +511,8 @@ class Metrics:
         path = self.multiprocess_dir
         if path is None:
             return generate_latest(self.registry)
-        from prometheus_client import multiprocess
-
         merged = CollectorRegistry()
-        multiprocess.MultiProcessCollector(merged, path=path)
+        merged.register(_ReplicaSeries(path))
         merged.register(_ReplicaMemory(path))
         return generate_latest(merged)
 
@@ -532,6 +530,33 @@ def resident_bytes(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return None
+
+
+class _ReplicaSeries:
+    """Every process's series of a ``--workers`` replica, read from their files in ``directory`` and added
+    up as prometheus_client's ``MultiProcessCollector`` does, except that a file with nothing in it yet
+    is skipped. prometheus_client (0.26) creates a process's series file empty and sizes it a moment
+    later; its collector read such a file as corrupt and failed the whole scrape (a 500 from /metrics,
+    seen while a replica's processes start and make their first series), and every scrape after it
+    when the process died in between, its empty file left behind (prometheus/client_python#1199, open).
+    An empty file holds no samples: skipping it loses none."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = []
+        for entry in os.scandir(self._directory):
+            if not entry.name.endswith(".db"):
+                continue
+            try:
+                if entry.stat().st_size > 0:
+                    files.append(entry.path)
+            except FileNotFoundError:  # (a live gauge's file, removed as its process was marked dead)
+                continue
+        return MultiProcessCollector.merge(files, accumulate=True)
 
 
 class _ReplicaMemory:

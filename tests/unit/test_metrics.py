@@ -66,6 +66,28 @@ sys.stdout.write(generate_latest(reg).decode())
     assert len(files) == 2  # the parent's and the forked child's
 
 
+def test_a_scrape_of_a_replica_reads_past_a_series_file_not_yet_sized(tmp_path: Path) -> None:
+    """prometheus_client creates a process's series file empty and sizes it a moment later (and a process
+    that dies in between leaves it empty for good): a scrape then still answers, every other series in
+    it. Its own collector failed the whole scrape on such a file (a 500 from /metrics at a replica's
+    start-up)."""
+    script = r"""
+import sys
+from pathlib import Path
+from coalesce.service.metrics import Metrics
+
+m = Metrics()
+m.model_series("m").batches.inc(3)
+m.flush()
+Path(m.multiprocess_dir, "counter_4194303.db").touch()  # created, not yet sized, by another process
+sys.stdout.write(m.render().decode())
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert 'coalesce_batches_total{model="m"} 3.0' in out
+
+
 def _batch_series(text: str) -> dict[str, float]:
     """The batcher's samples of a scrape, by series and labels."""
     return {name: float(value) for name, _, value in (line.rpartition(" ") for line in text.splitlines())
