@@ -1,7 +1,7 @@
 """What a request is answered with outside its route: an error in its dialect, and its request id.
 
-Shared by the middlewares that answer a request themselves: ``errors`` and ``observe`` (``app``) for
-every request, ``shed`` for a refusal decided from the head before either runs; and, as whole HTTP
+Shared by the steps that answer a request themselves: the app's middleware (``app.front``) for every
+request, ``shed`` for a refusal decided from the head before the rest of it runs; and, as whole HTTP
 responses in bytes (:func:`raw_response`), by the connection's own answers (``guard``), written before
 aiohttp makes a request of what arrived.
 """

@@ -1,13 +1,18 @@
 """``create_app(settings)``: the whole HTTP surface composed in one place.
 
-Middlewares (outermost first): ``traced`` (only with tracing on: ``service/tracing.py``) opens the
-request's span in the caller's trace; ``observe`` binds the request id, counts in-flight requests and records
-metrics and the per-request log line; ``errors`` turns every failure into the error shape of the dialect
-its route speaks (``routing``: OpenAI's, TEI's or Cohere's), rendered by ``dialects.render``, the one
-mapping in the service; ``authenticate`` checks API keys; ``read_body`` (``guard``) reads the body
-within its deadline and size limit. Connection-level limits (head deadline, connection cap, 431) live
-in ``guard.GuardedSite``, which ``server.serve`` listens with. Models load in the background (see
-``models.load_models``) so the listener answers ``/health`` at once.
+One middleware, ``front``, runs every request's steps in one coroutine, in this order: ``shed``
+(``shed.py``) answers a queued route's request 429 from its head under a standing queue; then it binds
+the request id, counts in-flight requests and records metrics and the per-request log line; turns every
+failure into the error shape of the dialect its route speaks (``routing``: OpenAI's, TEI's or
+Cohere's), rendered by ``dialects.render``, the one mapping in the service; checks API keys
+(``auth.check_key``); and reads the body within its deadline and size limit (``guard.read_body``).
+They were five middlewares (``shed``, ``observe``, ``errors``, ``authenticate``, ``read_body``); as one,
+a request no longer passes through four more coroutines (each resumed at every wake-up of the request),
+four wrappers and as many lookups of the app's state. With tracing on, ``traced``
+(``service/tracing.py``) runs outside it and opens the request's span in the caller's trace.
+Connection-level limits (head deadline, connection cap, 431) live in ``guard.GuardedSite``, which
+``server.serve`` listens with. Models load in the background (see ``models.load_models``) so the
+listener answers ``/health`` at once.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from ..schemas import (
 from ..settings import Settings
 from . import classify, docs, embed_v2, openapi, rerank, sparse, tei, tei_meta
 from .answers import error_response, request_id
-from .auth import KEYS, KeyRing, authenticate
+from .auth import KEYS, KeyRing, check_key
 from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
@@ -60,8 +65,14 @@ log = get_logger("coalesce.gateway")
 
 
 @web.middleware
-async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
-    metrics = request.app[METRICS]
+async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request's steps (the module's docstring): ``shed``, then the rest observed and its failures
+    answered in the route's dialect."""
+    app = request.app
+    refused = shed(request, app)
+    if refused is not None:
+        return refused
+    metrics = app[METRICS]
     rid = request_id(request)
     structlog.contextvars.bind_contextvars(request_id=rid)
     resource = request.match_info.route.resource
@@ -70,7 +81,23 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     t0 = time.perf_counter()
     status = 499  # the client went away unless we get further
     try:
-        resp = await handler(request)
+        try:
+            check_key(request, app)
+            await read_body(request, app)
+            resp = await handler(request)
+        except CoalesceError as err:
+            resp = _failed(err, request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            resp = error_response(_from_http(exc, request), dialect_of(request))
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception:
+            # A broken invariant: loud in the log, a plain 500 to the client.
+            log.exception("unhandled_error", route=request.path)
+            internal = CoalesceError("Internal server error.", code="internal_error")
+            resp = error_response(internal, dialect_of(request))
         status = resp.status
         resp.headers["x-request-id"] = rid
         resp.headers["x-total-time"] = f"{(time.perf_counter() - t0) * 1e3:.3f}"
@@ -82,13 +109,26 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         structlog.contextvars.unbind_contextvars("request_id")
 
 
+def _failed(err: CoalesceError, request: web.Request) -> web.Response:
+    """A request's :class:`CoalesceError`, answered in its route's dialect."""
+    if err.status >= 500:
+        log.warning("request_failed", status=err.status, code=err.code, error=err.message)
+    resp = error_response(err, dialect_of(request))
+    if isinstance(err, RequestTimeout):
+        resp.force_close()  # the rest of a late body will not be read: the connection ends here
+    # Answered: its traceback goes, since the frames it holds hold what raised it (the future a refused
+    # request awaited holds the error): a cycle the collector would trace, per refusal.
+    err.__traceback__ = None
+    return resp
+
+
 _UNTRACED = frozenset({"/health", "/ready", "/metrics"})
 
 
 @web.middleware
 async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With tracing on (outermost): the request's server span, in the caller's trace when it sent
-    ``traceparent``; its trace id is on every log line of the request, ``observe``'s included."""
+    ``traceparent``; its trace id is on every log line of the request, ``front``'s included."""
     tracer = tracing.active
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
@@ -105,33 +145,6 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         finally:
             tracer.answered(trace, status, rid)
             structlog.contextvars.unbind_contextvars("trace_id", "span_id")
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except CoalesceError as err:
-        if err.status >= 500:
-            log.warning("request_failed", status=err.status, code=err.code, error=err.message)
-        resp = error_response(err, dialect_of(request))
-        if isinstance(err, RequestTimeout):
-            resp.force_close()  # the rest of a late body will not be read: the connection ends here
-        # Answered: its traceback goes, since the frames it holds hold what raised it (the future a
-        # refused request awaited holds the error): a cycle the collector would trace, per refusal.
-        err.__traceback__ = None
-        return resp
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(_from_http(exc, request), dialect_of(request))
-    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-        raise
-    except Exception:
-        # A broken invariant: loud in the log, a plain 500 to the client.
-        log.exception("unhandled_error", route=request.path)
-        internal = CoalesceError("Internal server error.", code="internal_error")
-        return error_response(internal, dialect_of(request))
 
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:
@@ -180,9 +193,7 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     gateways in front of the engine process. ``runner_factory`` replaces model loading (tests)."""
     metrics = Metrics()
     # Tracing adds its middleware only when on: off, the request path has no trace of it.
-    middlewares = [shed, observe, errors, authenticate, read_body]
-    if tracing.active is not None:
-        middlewares.insert(0, traced)
+    middlewares = [front] if tracing.active is None else [traced, front]
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     registry = ModelRegistry()
     life = Lifecycle(metrics)

@@ -17,7 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..errors import Unauthorized
-from .state import METRICS, Handler
+from .state import METRICS
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs"})
@@ -89,17 +89,14 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-@web.middleware
-async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With keys configured, model routes need a valid bearer key; the key's tenant is recorded."""
-    keys = request.app[KEYS]
+def check_key(request: web.Request, app: web.Application) -> None:
+    """With keys configured, model routes need a valid bearer key (else :class:`Unauthorized`); the
+    key's tenant is recorded. A step of the app's one middleware (``app.front``)."""
+    keys = app[KEYS]
     if keys is None or is_open(request.path) or TENANT in request:  # (``shed`` may have looked already)
-        return await handler(request)
+        return
     key = bearer_key(request, keys)
     if key is None:
-        request.app[METRICS].rejected.labels("", "unauthorized").inc()
+        app[METRICS].rejected.labels("", "unauthorized").inc()
         raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer <key>'.")
     request[TENANT] = (key.tenant, key.weight)
-    return await handler(request)
-
-

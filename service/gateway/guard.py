@@ -17,8 +17,9 @@ What aiohttp lacks, added here:
 * **a head deadline**, from a request's first byte (``--header-timeout-s``): the keep-alive timer is the
   only bound on a trickled head, and it must be long for proxies (75 s), for all that time a slowloris
   client holds a connection and a parser buffer. Such a client is answered 408 and closed.
-* **a body deadline** (``--body-timeout-s``, the :func:`read_body` middleware): aiohttp waits for body
-  bytes forever. Answered 408. A Content-Length over ``--max-body-bytes`` is answered 413 at once.
+* **a body deadline** (``--body-timeout-s``, :func:`read_body`, a step of the app's middleware): aiohttp
+  waits for body bytes forever. Answered 408. A Content-Length over ``--max-body-bytes`` is answered 413
+  at once.
 * **431 with a body, and no reset**: aiohttp answers a head over its limits with a text/plain 400, logs
   a traceback per request (a hostile client could fill the log) and closes at once, so a client still
   sending its head gets a reset instead of the answer. Here: 431 (400 for other malformed heads) in
@@ -81,7 +82,7 @@ from ..schemas import encoder
 from ..settings import Settings
 from . import listener
 from .answers import raw_response
-from .state import METRICS, SETTINGS, Handler
+from .state import METRICS, SETTINGS
 
 log = get_logger("coalesce.guard")
 
@@ -474,23 +475,22 @@ def body_too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"The request body exceeds this server's limit of {limit} bytes.")
 
 
-@web.middleware
-async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def read_body(request: web.Request, app: web.Application) -> None:
     """Read a request's body before its route does, within ``--body-timeout-s``; a declared length over
-    ``--max-body-bytes`` is refused unread. A route's own ``request.read()`` then returns the buffer."""
+    ``--max-body-bytes`` is refused unread. A route's own ``request.read()`` then returns the buffer. A
+    step of the app's one middleware (``app.front``)."""
     if request.body_exists:
-        settings = request.app[SETTINGS]
+        settings = app[SETTINGS]
         if (request.content_length or 0) > settings.max_body_bytes:
             raise body_too_large(settings.max_body_bytes)
         if request.content.is_eof():  # it came whole with the head (a small one): nothing to wait for
             await request.read()
-            return await handler(request)
+            return
         try:
             async with asyncio.timeout(settings.body_timeout_s):
                 await request.read()
         except TimeoutError:
-            request.app[METRICS].connections_refused.labels("body_timeout").inc()
+            app[METRICS].connections_refused.labels("body_timeout").inc()
             raise RequestTimeout(
                 f"The request body did not arrive within {settings.body_timeout_s:g} s."
             ) from None
-    return await handler(request)

@@ -1,5 +1,5 @@
 """Refusing from the head alone: under a standing queue, a queued route's request is answered 429
-before its body is read, decoded or tokenised, and before the other middlewares run.
+before its body is read, decoded or tokenised, and before the rest of the request's path runs.
 
 While the queue stands (:mod:`..batching.overload`) most arrivals are refused, and each refusal's CPU
 is taken from the batches the admitted requests wait for. A route's own check (``check_room``) runs
@@ -12,13 +12,13 @@ models (the body names which), the route decides after decoding, as before. A re
 holds its room and is not checked again before tokenising: admission decides on the real counts, and
 ends the hold.
 
-It is the outermost middleware (tracing aside), and answers a refusal itself as ``observe`` and
-``errors`` would have — the route's error dialect, ``x-request-id``, the request counted in the metrics
-and logged at debug — without their per-request work (log context, in-flight gauge, an exception
-through three middlewares), which is most of what a refusal cost beyond aiohttp's own handling. With
-API keys configured it checks the key first, as ``authenticate`` does (and records the tenant, so
-``authenticate`` does not hash it again); a request without a valid key, or with a malformed header,
-goes on to the middlewares that answer it (401, 400).
+It is the first step of the app's one middleware (``app.front``; tracing's aside), and answers a
+refusal itself as the rest of it would have — the route's error dialect, ``x-request-id``, the request
+counted in the metrics and logged at debug — without its per-request work (log context, in-flight
+gauge, an exception raised and caught), which is most of what a refusal cost beyond aiohttp's own
+handling. With API keys configured it checks the key first, as ``auth.check_key`` does (and records the
+tenant, so that check does not hash it again); a request without a valid key, or with a malformed
+header, goes on to the steps that answer it (401, 400).
 
 **Answered by the connection** (:func:`head_refusal`, ``guard.HEAD_ANSWER``). Under an overload most
 of a refusal's CPU is aiohttp's, not this check's: a request object, a task, the middleware chain, a
@@ -55,7 +55,7 @@ from .guard import HeadAnswer, held_at_head
 from .models import MODELS
 from .responses import json_response
 from .routing import dialect_of
-from .state import METRICS, Handler
+from .state import METRICS
 
 log = get_logger("coalesce.gateway")
 
@@ -65,16 +65,17 @@ QUEUED_PATHS: web.AppKey[frozenset[str]] = web.AppKey("queued_paths")
 BODY_BYTES_PER_TOKEN = 5  # JSON of English text: ~4 characters a word piece, plus quotes and keys
 
 
-@web.middleware
-async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer a queued route's request 429 from its head while the queue stands; else pass it on."""
-    if request.method == "POST" and request.path in request.app[QUEUED_PATHS]:
+def shed(request: web.Request, app: web.Application) -> web.Response | None:
+    """The 429 a queued route's request is answered from its head while the queue stands, or None to
+    pass it on (holding its room, when it was judged: ``admission.HELD``). The first step of the app's
+    one middleware (``app.front``), before the others."""
+    if request.method == "POST" and request.path in app[QUEUED_PATHS]:
         held = held_at_head(request)
         if held is not None:  # the connection's check passed it, and holds its room
             request[HELD] = held
-            return await handler(request)
+            return None
         length = request.content_length
-        if length and (model := _standing(request.app)) is not None:
+        if length and (model := _standing(app)) is not None:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
             judged = _judge(request, model, length, route)
@@ -84,7 +85,7 @@ async def shed(request: web.Request, handler: Handler) -> web.StreamResponse:
                 rendered, rid = judged
                 return json_response(rendered.body, status=rendered.status,
                                      headers={**rendered.headers, "x-request-id": rid})
-    return await handler(request)
+    return None
 
 
 def head_refusal(app: web.Application) -> HeadAnswer:
@@ -139,7 +140,7 @@ class _Head(dict[Any, Any]):
 def _judge(request: web.Request | _Head, model: ServedModel, length: int, route: str
            ) -> tuple[Rendered, str] | Hold | None:
     """The 429 for this request, rendered, and its request id, if the standing queue refuses it (counted
-    and logged as ``observe`` would). A :class:`Hold`: it passed, and its room is held from now until
+    and logged as ``app.front`` would). A :class:`Hold`: it passed, and its room is held from now until
     it is admitted, which ends the hold (the route does not check again: ``admission.HELD``). Checked
     once, at the head: checked again before tokenising, against a queue that each batch drains and
     each admission fills, it was a second toss of the coin that a queue held at its bound tosses at
