@@ -413,7 +413,8 @@ class Batcher:
         if entries:
             self.scheduler.add(entries, inputs=len(seqs))
             self._idle.clear()
-            self._wake.set()
+            if self.scheduler.can_dispatch:  # (else the running batch's end steps)
+                self._wake.set()
         return job
 
     def enqueue_many(
@@ -491,9 +492,11 @@ class Batcher:
         self._count(counts)
         if added or holds:
             sched.admitted(by_class, now, holds, held_tokens)
+        if added:
             sched.add_many(added)
             self._idle.clear()
-            self._wake.set()
+            if sched.can_dispatch:  # (else the running batch's end steps)
+                self._wake.set()
         return out
 
     def _enqueue_or_refusal(self, r: Submission, reply: Reply) -> Ticket | CoalesceError:
@@ -670,7 +673,9 @@ class Batcher:
                 )
             if isinstance(decision, Dispatch):
                 self._run_batch(cast("list[_Work]", decision.batch), decision.padded_tokens)
-                continue
+                if sched.can_dispatch:  # (else asking again finds nothing: the batch's end steps)
+                    continue
+                break
             if isinstance(decision, Wait):
                 self._wake_at(decision.until)
             break

@@ -185,6 +185,13 @@ class Scheduler:
     def queued_items(self) -> int:
         return self._queue.items
 
+    @property
+    def can_dispatch(self) -> bool:
+        """Whether :meth:`next` could dispatch a batch now: work waits and a forward is free. While not,
+        a step finds nothing to run; what it would drop (a deadline passed, a late input) is dropped at
+        the step that follows the running batch's end, which runs in any case."""
+        return self._queue.items > 0 and self.inflight < self.config.pipeline_depth
+
     # -- admission (admit.py) ------------------------------------------------------------------------
     def check_room(self, tenant: str, tokens: int, now: float) -> Refusal | None:
         """None if ``tokens`` more tokens of ``tenant`` fit the queue bounds now; else why not."""
@@ -297,7 +304,7 @@ class Scheduler:
         return step
 
     def _next(self, now: float, expired: list[Entry], shed: list[Entry]) -> Step:
-        if self._queue.items == 0 or self.inflight >= self.config.pipeline_depth:
+        if not self.can_dispatch:
             return Step(None, expired, shed, [], [])
         cfg = self.config
         # (Side by side, a batch is formed only when a forward is free, and starts at once.)

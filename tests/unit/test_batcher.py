@@ -18,7 +18,7 @@ from coalesce.service.batching.cache import ResultCache
 from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.policy import Limits
 from coalesce.service.batching.scheduler import Scheduler, SchedulerConfig
-from coalesce.service.errors import InferenceFailed, Overloaded, Unavailable
+from coalesce.service.errors import DeadlineExceeded, InferenceFailed, Overloaded, Unavailable
 from coalesce.service.metrics import Metrics
 
 from ..fakes import FakeRunner
@@ -157,6 +157,25 @@ async def test_cancelled_items_are_never_computed() -> None:
         assert sum(rig.runner.batches) == 2, "the cancelled inputs must not reach the runner"
         assert rig.sample("coalesce_rejected_total", reason="cancelled") == 2
         assert rig.batcher.scheduler.queued_tokens == 0
+    finally:
+        await rig.aclose()
+
+
+async def test_a_deadline_that_passes_behind_a_running_batch_is_answered_when_it_ends_not_computed() -> None:
+    # While the one forward runs, an arrival does not wake the batcher (it could dispatch nothing): what
+    # passed its deadline meanwhile is dropped at the step after the running batch, never computed.
+    rig = Rig(FakeRunner(batch_seconds=0.3))
+    try:
+        blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
+        while rig.batcher.scheduler.inflight == 0:
+            await asyncio.sleep(0.001)
+        doomed = rig.batcher.submit(rig.seqs("too late"), deadline=time.monotonic() + 0.05)
+        with pytest.raises(DeadlineExceeded):
+            await doomed
+        assert blocker.done(), "dropped once the running batch ended, not before"
+        assert sum(rig.runner.batches) == 1, "the expired input never reached the runner"
+        assert rig.sample("coalesce_rejected_total", reason="expired") == 1
+        assert len(await rig.embed("after it")) == 1
     finally:
         await rig.aclose()
 
