@@ -412,9 +412,7 @@ class Batcher:
         self._count(counts)
         if entries:
             self.scheduler.add(entries, inputs=len(seqs))
-            self._idle.clear()
-            if self.scheduler.can_dispatch:  # (else the running batch's end steps)
-                self._wake.set()
+            self._queued()
         return job
 
     def enqueue_many(
@@ -494,10 +492,15 @@ class Batcher:
             sched.admitted(by_class, now, holds, held_tokens)
         if added:
             sched.add_many(added)
-            self._idle.clear()
-            if sched.can_dispatch:  # (else the running batch's end steps)
-                self._wake.set()
+            self._queued()
         return out
+
+    def _queued(self) -> None:
+        """Work joined the queue: the batcher is busy, and steps now if a batch can be dispatched (else
+        the running batch's end steps: a step meanwhile would find nothing to run)."""
+        self._idle.clear()
+        if self.scheduler.can_dispatch:
+            self._wake.set()
 
     def _enqueue_or_refusal(self, r: Submission, reply: Reply) -> Ticket | CoalesceError:
         try:

@@ -141,6 +141,14 @@ async def test_runner_failure_fails_only_its_batch_and_service_recovers() -> Non
         await rig.aclose()
 
 
+async def _occupy(rig: Rig) -> asyncio.Future[list[np.ndarray]]:
+    """A request whose batch is running once this returns (the runner's one forward busy)."""
+    blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
+    while rig.batcher.scheduler.inflight == 0:
+        await asyncio.sleep(0.001)
+    return blocker
+
+
 async def test_cancelled_items_are_never_computed() -> None:
     # A blocker long enough that it is still running when the cancelled request arrives, whatever pause
     # the process takes meanwhile: with a 20-ms one, CI's pinned run twice saw the blocker's batch take
@@ -148,9 +156,7 @@ async def test_cancelled_items_are_never_computed() -> None:
     # dispatched them before the cancellation's callback ran would explain.
     rig = Rig(FakeRunner(batch_seconds=0.5))
     try:
-        blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
-        while rig.batcher.scheduler.inflight == 0:
-            await asyncio.sleep(0.001)
+        blocker = await _occupy(rig)
         rig.batcher.submit(rig.seqs("abandoned one", "abandoned two")).cancel()
         await blocker
         await rig.embed("next")
@@ -166,9 +172,7 @@ async def test_a_deadline_that_passes_behind_a_running_batch_is_answered_when_it
     # passed its deadline meanwhile is dropped at the step after the running batch, never computed.
     rig = Rig(FakeRunner(batch_seconds=0.3))
     try:
-        blocker = asyncio.ensure_future(rig.embed("keeps the runner busy"))
-        while rig.batcher.scheduler.inflight == 0:
-            await asyncio.sleep(0.001)
+        blocker = await _occupy(rig)
         doomed = rig.batcher.submit(rig.seqs("too late"), deadline=time.monotonic() + 0.05)
         with pytest.raises(DeadlineExceeded):
             await doomed
