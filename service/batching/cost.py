@@ -116,7 +116,9 @@ class CostModel:
         self.fit = prior or Coefficients(overhead_s=0.005, per_token_s=5e-5)
         self.coef = self.fit  # the fit at the pace: what a forward is predicted to take now
         self.pace = 1.0
-        self._recent: deque[tuple[float, float]] = deque(maxlen=PACE_SPAN)  # (padded tokens, seconds)
+        # The recent batches' padded tokens and seconds (the pace's).
+        self._recent_x: deque[float] = deque(maxlen=PACE_SPAN)
+        self._recent_y: deque[float] = deque(maxlen=PACE_SPAN)
         self._window = window
         self._x: list[float] = []  # padded tokens of the last `window` batches (a ring once full)
         self._y: list[float] = []  # their seconds
@@ -132,7 +134,8 @@ class CostModel:
         if seconds <= 0 or padded_tokens <= 0:
             return
         if self.observations >= PACE_AFTER:
-            self._recent.append((float(padded_tokens), float(seconds)))
+            self._recent_x.append(float(padded_tokens))
+            self._recent_y.append(float(seconds))
         if len(self._x) < self._window:
             self._x.append(float(padded_tokens))
             self._y.append(float(seconds))
@@ -148,14 +151,14 @@ class CostModel:
             self._refit()
         else:
             self._since_refit = (batches, forward_s)
-        if self._recent:
+        if self._recent_x:
             ratios = self._ratios()
             if len(ratios) == PACE_SPAN and (ratios[0] > PACE_SHIFT or ratios[-1] < 1 / PACE_SHIFT):
                 # Every recent batch off the fit the same way, by more than noise or a passing stall:
                 # the window describes a machine that is gone. Start again from the recent batches (a
                 # fit of old and new points together takes a shape that fits neither).
-                self._x = [x for x, _ in self._recent]
-                self._y = [t for _, t in self._recent]
+                self._x = list(self._recent_x)
+                self._y = list(self._recent_y)
                 self._next = len(self._x) % self._window
                 self.restarts += 1
                 self.spread = self.run_spread = 1.0  # (the old and new machine's batches spread as neither)
@@ -174,7 +177,9 @@ class CostModel:
         """Measured ÷ fitted seconds of the recent batches, against the fit as it is now (a refit may
         have moved it), ascending."""
         a, b = self.fit.overhead_s, self.fit.per_token_s  # (fit.predict inlined: this runs every batch)
-        return sorted([t / max(a + b * x, 1e-12) for x, t in self._recent])
+        # t / max(a + b·x, 1e-12) of each: operator's functions, as least_squares, no bytecode per batch
+        fitted = map(max, map(add, repeat(a), map(mul, repeat(b), self._recent_x)), repeat(1e-12))
+        return sorted(map(truediv, self._recent_y, fitted))
 
     def _refit(self) -> None:
         self._since_refit = (0, 0.0)

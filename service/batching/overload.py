@@ -162,6 +162,11 @@ class Regime:
     def observe(self, now: float) -> bool:
         """Update the regime from the queue as it is at ``now`` (after admissions and dispatches);
         returns whether it is standing."""
+        if not (self.standing or self.overload or self.onset or self.queued()):
+            # Nothing waits and nothing stood (asked after every dispatch): what the lines below come to.
+            self._arrivals.clear()
+            self._above_since = None
+            return False
         was, was_onset = self.standing, self.onset
         age = self.head_age(now)
         if age is None:  # nothing waits: whatever stood has drained, unless an overload goes on

@@ -17,6 +17,7 @@ they would run as efficiently in the next batch anyway.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,8 +106,10 @@ def _best_run(
 
     def largest_at(r: int) -> int:
         longest = lengths[order[r]]
-        k = min(cap, r + 1, _largest(cap, longest, in_budget))
-        return k if max_seconds is None else min(k, _largest(k, longest, in_time))
+        # (No run ending at r is longer than r + 1: the searches go no further. A small window's batch —
+        # the usual one under a light or a launch-bound load — is then a step or two, not log2(cap).)
+        k = _largest(min(cap, r + 1), longest, in_budget)
+        return k if max_seconds is None else _largest(k, longest, in_time)
 
     alen = lengths[order[pos]]
     short_end = pos  # the last position no longer than the anchor
@@ -151,16 +154,18 @@ def _best_run(
 def _right_ends(order: Sequence[int], lengths: Sequence[int], pos: int) -> list[int]:
     """Right ends worth trying: the anchor's own run end, then the last input under each length mark."""
     anchor_len = lengths[order[pos]]
+    last = len(order) - 1
     ends: list[int] = []
     r = pos
-    marks = [anchor_len, *(m for m in LENGTH_MARKS if m > anchor_len)]
-    for mark in marks:
-        while r + 1 < len(order) and lengths[order[r + 1]] <= mark:
+    # (The marks above the anchor's length; once a run reaches the last input no mark adds an end.)
+    for mark in (anchor_len, *LENGTH_MARKS[bisect_right(LENGTH_MARKS, anchor_len):]):
+        while r < last and lengths[order[r + 1]] <= mark:
             r += 1
         if not ends or ends[-1] != r:
             ends.append(r)
-    if ends[-1] != len(order) - 1:
-        ends.append(len(order) - 1)
+        if r == last:
+            return ends
+    ends.append(last)
     return ends
 
 

@@ -147,3 +147,21 @@ def test_among_equal_lengths_the_more_urgent_are_taken_on_either_side_of_the_anc
     assert form_batch(longer, 20, Limits(8, 16384), eager, GPU) == list(range(20, 28))
     shorter = [10] * 20 + [50]
     assert form_batch(shorter, 20, Limits(8, 16384), eager, GPU) == [*range(7), 20]
+
+
+def test_a_small_window_is_formed_in_a_few_cost_lookups_whatever_the_size_cap() -> None:
+    # The engine forms a batch per step; under a light load, or a launch-bound device's, the window holds
+    # a few inputs while the cap is hundreds: the search for the largest run stops at the window, not at
+    # log2 of the cap for every run end (an engine's per-batch Python at small batches: issue 25).
+    lookups: list[tuple[int, int]] = []
+
+    def counted(n: int, longest: int) -> int:
+        lookups.append((n, longest))
+        return n * longest
+
+    for cap in (32, 256, 4096):
+        lookups.clear()
+        picked = form_batch([9, 11, 12, 10], 0, Limits(cap, 1 << 20), counted, GPU, max_seconds=0.05)
+        assert picked == [0, 1, 2, 3]
+        assert len(lookups) <= 12, (cap, lookups)
+        assert max(n for n, _ in lookups) <= 4, "no size past the window is ever asked for"
