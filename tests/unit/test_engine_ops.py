@@ -106,13 +106,17 @@ def test_engine_ops_counts_the_engines_bytecodes_per_request_the_same_run_to_run
 
 def test_the_ab_script_runs_this_checkout_beside_a_commits_wheel() -> None:
     # loadtests/engine_ops_ab.sh: the baseline is REV's wheel, first on PYTHONPATH; one round here, a
-    # short engine_ops run each, HEAD as the baseline (any commit will do).
+    # short engine_ops run each, HEAD as the baseline (any commit will do); with --ops each line ends with
+    # the bytecodes and calls per request the run counted.
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        ["bash", "loadtests/engine_ops_ab.sh", "HEAD", "1", "--jobs", "1", "--rounds", "20"], cwd=root,
+        ["bash", "loadtests/engine_ops_ab.sh", "HEAD", "1", "--jobs", "1", "--rounds", "20", "--ops"], cwd=root,
         capture_output=True, text=True, timeout=300, env={**_OWN_ENV, "PYTHON": sys.executable},
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    head, *lines = out.stdout.splitlines()
+    assert head.split()[-2:] == ["bytecodes/request", "calls/request"], head
+    rows = [line.split() for line in lines]
     assert [row[:2] for row in rows] == [["1", "current"], ["1", "baseline"]], out.stdout
-    assert all(len(row) == 8 and float(row[5]) > 0 and float(row[6]) > 0 for row in rows), out.stdout
+    assert all(len(row) == 10 and float(row[5]) > 0 and float(row[6]) > 0 for row in rows), out.stdout
+    assert all(float(row[8]) > 1000 and float(row[9]) > 10 for row in rows), out.stdout
