@@ -110,8 +110,8 @@ def test_the_ab_script_runs_this_checkout_beside_a_commits_wheel() -> None:
     # the bytecodes and calls per request the run counted.
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        ["bash", "loadtests/engine_ops_ab.sh", "HEAD", "1", "--jobs", "1", "--rounds", "20", "--ops"], cwd=root,
-        capture_output=True, text=True, timeout=300, env={**_OWN_ENV, "PYTHON": sys.executable},
+        ["bash", "loadtests/engine_ops_ab.sh", "HEAD", "1", "--jobs", "1", "--rounds", "20", "--ops"],
+        cwd=root, capture_output=True, text=True, timeout=300, env={**_OWN_ENV, "PYTHON": sys.executable},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     head, *lines = out.stdout.splitlines()
