@@ -9,8 +9,8 @@
 # baseline's runs (baseline_site.sh). ROUNDS (default 3) pairs; the
 # flags default to the service's case behind many gateways: `--jobs 1 --gateways 48 --rounds 400
 # --cache-mb 64 --shared-metrics`. Prints one line per run: round, which code, engine_ops' row; with
-# `--ops`, then the Python bytecodes and function calls per request it counted (the same on any machine:
-# a change's effect on the engine's Python read without the VM's noise).
+# `--ops`, then the Python bytecodes and function calls per request it counted, at the last `--jobs` (the
+# same on any machine: a change's effect on the engine's Python read without the VM's noise).
 set -euo pipefail
 rev=${1:?usage: bash loadtests/engine_ops_ab.sh REV [ROUNDS] [engine_ops flags ...]}
 rounds=${2:-3}
