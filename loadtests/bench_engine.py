@@ -81,6 +81,16 @@ def _cpu_by_role(pid: int) -> dict[str, float]:
     return out
 
 
+def cpu_per_request(srv: servers.RunningServer, scenario: Scenario, label: str, out: Path
+                    ) -> tuple[dict[str, float], Any]:
+    """One load run on ``srv``: its CPU µs per answered request by role (:func:`_cpu_by_role`), and the
+    run's step result."""
+    before = _cpu_by_role(srv.proc.pid)
+    st = _run(srv.url, scenario, label, out)
+    after = _cpu_by_role(srv.proc.pid)
+    return {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6 for role in after}, st
+
+
 def _all_ready(url: str, timeout: float = 120.0) -> None:
     """Every process of the replica ready (``coalesce_ready`` is the minimum over them)."""
     deadline = time.monotonic() + timeout
@@ -208,9 +218,7 @@ def _remains(ops: dict[str, Any], many: dict[str, Any] | None = None) -> str:
 def engine(args: argparse.Namespace) -> tuple[str, str]:
     out = args.out / "engine"
     seconds = min(args.duration, 10.0)
-    stub = servers.ServerSpec(
-        "stub", [sys.executable, "-m", "coalesce.loadtests.stub", "--port", "{port}", "--dim", "384"]
-    )
+    stub = servers.stub_spec()
     configs = (("stub", None), ("one process", ["--workers", "1"]), ("--workers 2", ["--workers", "2"]))
     loads = (
         (f"{OPEN_RATE:,}/s", Scenario(mode=Mode.OPEN, rate=OPEN_RATE, duration=seconds, warmup=0.0,
@@ -235,11 +243,7 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
 
         def cost(cell: tuple[str, str], r: int) -> tuple[dict[str, float], Any]:
             name, load = cell
-            srv = started[name]
-            before = _cpu_by_role(srv.proc.pid)
-            st = _run(srv.url, scenarios[load], f"null {name} {load} round {r + 1}", out)
-            after = _cpu_by_role(srv.proc.pid)
-            return {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6 for role in after}, st
+            return cpu_per_request(started[name], scenarios[load], f"null {name} {load} round {r + 1}", out)
 
         runs = interleaved([(name, load) for load, _ in loads for name in started], cost)
         samples = _sample_under_load(started["--workers 2"], loads[1][1], out)

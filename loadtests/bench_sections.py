@@ -347,7 +347,7 @@ def gateway(args: argparse.Namespace) -> tuple[str, str]:
     out = args.out / "gateway"
     py = sys.executable
     specs = (
-        servers.ServerSpec("stub", [py, "-m", "coalesce.loadtests.stub", "--port", "{port}", "--dim", "384"]),
+        servers.stub_spec(),
         servers.ServerSpec("coalesce", [py, "-m", "coalesce.loadtests.nullmodel", "--host", "127.0.0.1",
                                         "--port", "{port}", "--log-level", "warning"]),
     )

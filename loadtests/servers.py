@@ -69,6 +69,13 @@ def coalesce_spec(name: str, args: Sequence[str] = (), command: Sequence[str] | 
     return ServerSpec(name=name, argv=argv, env={"HF_HUB_OFFLINE": "1", "COALESCE_SHUTDOWN_GRACE_S": "0"})
 
 
+def stub_spec(name: str = "stub", *args: str) -> ServerSpec:
+    """The aiohttp stub (``coalesce.loadtests.stub``) answering 384-wide vectors, as the CPU sections'
+    control, with extra ``args`` (``--raw``: the same answers without aiohttp)."""
+    argv = [sys.executable, "-m", "coalesce.loadtests.stub", "--port", "{port}", "--dim", "384", *args]
+    return ServerSpec(name, argv)
+
+
 def infinity_spec(binary: str, model_dir: str, served_name: str, name: str = "infinity") -> ServerSpec:
     """Infinity (``infinity_emb v2``) on CPU serving ``model_dir``; it answers ``POST /embeddings``."""
     argv = [

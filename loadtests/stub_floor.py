@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -25,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from . import servers
-from .bench_engine import NULL, _all_ready, _cpu_by_role
-from .bench_sections import _run, interleaved, median_by
+from .bench_engine import NULL, _all_ready, cpu_per_request
+from .bench_sections import interleaved, median_by
 from .scenario import Mode, Scenario
 from .workload import Mix
 
@@ -34,10 +33,9 @@ from .workload import Mix
 def measure(rounds: int, seconds: float, clients: int, out: Path) -> dict[str, dict[str, float]]:
     """CPU µs per request by process role (``all`` for a single process) of each server, the median
     round's, and its achieved requests/s (``rps``)."""
-    stub = [sys.executable, "-m", "coalesce.loadtests.stub", "--port", "{port}", "--dim", "384"]
     specs = [
-        servers.ServerSpec("aiohttp stub", stub),
-        servers.ServerSpec("raw stub", [*stub, "--raw"]),
+        servers.stub_spec("aiohttp stub"),
+        servers.stub_spec("raw stub", "--raw"),
         servers.coalesce_spec("one process", [*NULL, "--workers", "1"]),
         servers.coalesce_spec("--workers 2", [*NULL, "--workers", "2"]),
     ]
@@ -51,11 +49,7 @@ def measure(rounds: int, seconds: float, clients: int, out: Path) -> dict[str, d
         time.sleep(1.0)  # let start-up settle
 
         def cost(name: str, r: int) -> tuple[dict[str, float], Any]:
-            srv = up[name]
-            before = _cpu_by_role(srv.proc.pid)
-            st = _run(srv.url, scenario, f"{name} round {r + 1}", out)
-            after = _cpu_by_role(srv.proc.pid)
-            return {role: (after[role] - before.get(role, 0.0)) / max(st.ok, 1) * 1e6 for role in after}, st
+            return cpu_per_request(up[name], scenario, f"{name} round {r + 1}", out)
 
         runs = interleaved(list(up), cost, rounds)
     figures = {}
