@@ -40,3 +40,31 @@ def test_the_profile_lists_each_process_side_by_side_with_its_wake_share() -> No
 
 def test_without_py_spy_the_section_says_so() -> None:
     assert "not sampled (py-spy is not installed" in _profile("py-spy is not installed: pip install")
+
+
+def test_cpu_per_request_reads_the_cpu_of_the_measured_window_only(monkeypatch, tmp_path) -> None:
+    """The load runner counts the requests of a run's measured window, not its warm-up's: the warm-up
+    runs first, on its own, and the CPU read around the measured run alone is divided by its requests.
+    (Read across the warm-up as well, every figure came out a warm-up ÷ duration too high.)"""
+    from types import SimpleNamespace
+
+    from coalesce.loadtests import bench_engine
+    from coalesce.loadtests.scenario import Mode, Scenario
+
+    cpu = [0.0]  # the server's CPU seconds so far: 1 ms a request
+    runs: list[tuple[float, float]] = []
+
+    def run(url: str, scenario: Scenario, label: str, out: object) -> SimpleNamespace:
+        runs.append((scenario.warmup, scenario.duration))
+        answered = round(1000 * (scenario.warmup + scenario.duration))  # 1,000 requests a second
+        cpu[0] += answered * 1e-3
+        return SimpleNamespace(ok=round(1000 * scenario.duration))  # (the measured window's)
+
+    monkeypatch.setattr(bench_engine, "_run", run)
+    monkeypatch.setattr(bench_engine, "_cpu_by_role", lambda pid: {"all": cpu[0]})
+    srv = SimpleNamespace(proc=SimpleNamespace(pid=1), url="http://127.0.0.1:1/v1/embeddings")
+    per, st = bench_engine.cpu_per_request(
+        srv, Scenario(mode=Mode.CLOSED, concurrency=4, duration=8.0, warmup=1.0), "run", tmp_path)
+    assert per == {"all": 1000.0}  # µs a request, not 1,125
+    assert runs == [(0.0, 1.0), (0.0, 8.0)]  # the warm-up on its own, then the measured run
+    assert st.ok == 8000
