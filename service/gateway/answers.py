@@ -41,19 +41,25 @@ def error_response(err: CoalesceError, dialect: Dialect) -> web.Response:
 _date: tuple[int, str] = (0, "")
 
 
-def raw_response(status: int, body: bytes, headers: Mapping[str, str], *, close: bool) -> bytes:
-    """A whole HTTP/1.1 response with a JSON ``body``: for answers a connection writes itself. ``close``:
-    the connection ends after it (``Connection: close``); else it is kept alive, and the answer carries
-    the ``Date`` aiohttp's own answers do."""
+def http_date() -> str:
+    """Now, as a ``Date`` header writes it (formatted once a second, as aiohttp does)."""
     global _date
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, formatdate(now, usegmt=True))
+    return _date[1]
+
+
+def raw_response(status: int, body: bytes, headers: Mapping[str, str], *, close: bool,
+                 content_type: str = "application/json") -> bytes:
+    """A whole HTTP/1.1 response with a JSON ``body`` (or ``content_type``'s): for answers a connection
+    writes itself. ``close``: the connection ends after it (``Connection: close``); else it is kept
+    alive, and the answer carries the ``Date`` aiohttp's own answers do."""
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Content-Type: {content_type}",
              f"Content-Length: {len(body)}"]
     if close:
         lines.append("Connection: close")
     else:
-        now = int(time.time())
-        if _date[0] != now:  # (formatted once a second, as aiohttp does)
-            _date = (now, formatdate(now, usegmt=True))
-        lines.append(f"Date: {_date[1]}")
+        lines.append(f"Date: {http_date()}")
     lines += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

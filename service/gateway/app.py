@@ -53,9 +53,10 @@ from .auth import KEYS, KeyRing, check_key
 from .contract import MODEL_ROUTE, TOKEN_IDS, Doc, Text
 from .embeddings import create_embeddings
 from .facade import BACKEND, LocalBackend
-from .guard import HEAD_ANSWER, body_too_large, read_body
+from .guard import HEAD_ANSWER, OWN_ANSWER, body_too_large, read_body
 from .llm_pairs import check_instructions
 from .models import MODELS, ModelRegistry
+from .plain import plain_answer
 from .responses import json_response
 from .routing import ROUTES, add_route, dialect_of
 from .shed import QUEUED_PATHS, head_refusal, shed
@@ -232,6 +233,9 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     docs.add_routes(app)  # /docs and its assets
     app[QUEUED_PATHS] = frozenset(d.path for d in app[ROUTES] if d.doc.queued and d.method == "POST")
     app[HEAD_ANSWER] = head_refusal(app)  # (the connection's own refusals: guard.GuardedSite)
+    # The hot route's plain requests, answered by the connection below aiohttp's request path (plain.py).
+    app[OWN_ANSWER] = plain_answer(app, {"/v1/embeddings": create_embeddings,
+                                         "/embeddings": create_embeddings}, front)
     openapi.publish(app)  # /openapi.json, built from every route above: keep it last
     return app
 

@@ -44,7 +44,11 @@ What aiohttp lacks, added here:
   a task, a writer and a response, and runs the middlewares, which is most of what a request refused
   from its head costs (``shed``). While the connection has nothing else in progress, a request whose
   head and body have arrived whole is offered to the app's answer first, on the parsed message; what
-  it answers is written at once and never reaches aiohttp, keep-alive kept.
+  it answers is written at once and never reaches aiohttp, keep-alive kept. A plain request of a route
+  the app answers itself (:data:`OWN_ANSWER`, ``plain.py``: the OpenAI embeddings route) is then taken
+  whole by the app, answered when its result is in, with nothing of aiohttp's request path in between;
+  what arrives on the connection meanwhile waits until that answer is written, so answers go out in
+  the order their requests came.
 * **the descriptor limit**: :class:`GuardedSite` raises the soft ``RLIMIT_NOFILE`` to the hard one when
   it starts, and :func:`connection_cap` lowers the cap to keep a reserve for the process's own files and
   sockets and for refusals in flight.
@@ -57,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
 
 from aiohttp import web
@@ -90,6 +94,14 @@ log = get_logger("coalesce.guard")
 # bytes), or None to hand the request to aiohttp as usual; set by ``create_app`` (``shed.head_refusal``).
 HeadAnswer = Callable[[RawRequestMessage, StreamReader, "_GuardedHandler"], bytes | None]
 HEAD_ANSWER: web.AppKey[HeadAnswer] = web.AppKey("head_answer")
+# The app taking a request that arrived whole to answer it itself (``plain.plain_answer``): what answers it
+# (the response in bytes, and whether the connection ends after it), or None to hand it to aiohttp.
+OwnAnswer = Callable[[RawRequestMessage, StreamReader, "_GuardedHandler"],
+                     Coroutine[Any, Any, tuple[bytes, bool]] | None]
+OWN_ANSWER: web.AppKey[OwnAnswer] = web.AppKey("own_answer")
+# What arrives on a connection while the app answers a request it took, kept until the answer is written;
+# past this the socket is paused.
+HELD_INPUT_BYTES = 1 << 16
 
 # After an answer that ends a connection: how long to drop what the client still sends before closing.
 LINGER_S = 2.0
@@ -184,7 +196,7 @@ def _slots(cls: type) -> set[str]:
 
 # What the connection's own answers rely on in aiohttp's handler (3.10 on): without it, aiohttp answers all.
 _CAN_ANSWER = {"_parser", "_messages", "_request_count", "_keepalive", "_next_keepalive_close_time",
-               "_keepalive_timeout"} <= _slots(RequestHandler)
+               "_keepalive_timeout", "_keepalive_handle"} <= _slots(RequestHandler)
 
 
 def _nothing() -> None:
@@ -214,19 +226,26 @@ class _AnsweringParser:
 
 class _GuardedHandler(RequestHandler):
     """aiohttp's connection handler with a head deadline, 431 for oversized heads, a lingering close
-    after a refused head, and the app's own answers from a parsed head (``answer``: :data:`HEAD_ANSWER`)."""
+    after a refused head, the app's own answers from a parsed head (``answer``: :data:`HEAD_ANSWER`) and
+    the requests the app takes to answer itself (``own``: :data:`OWN_ANSWER`)."""
 
     def __init__(
         self, manager: web.Server, *, connections: Connections, header_timeout: float, timed_out: bytes,
-        answer: HeadAnswer | None = None, **kwargs: Any,
+        answer: HeadAnswer | None = None, own: OwnAnswer | None = None, **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **kwargs)
         self._answer = answer if _CAN_ANSWER else None
+        self._own = own if _CAN_ANSWER else None
         self._answered = 0  # requests answered here in this data_received
         self._finished = 0  # requests aiohttp has answered (of ``_request_count`` handed to it)
         # The app's answer passed the request aiohttp handles next, and holds its room (``shed``).
         self.head_held: Hold | None = None
-        if self._answer is not None:
+        # The request the app took (OWN_ANSWER) while it answers it, and what arrived meanwhile.
+        self._taken: asyncio.Task[tuple[bytes, bool]] | None = None
+        self._held_input: list[bytes] = []
+        self._held_bytes = 0
+        self._held_paused = False
+        if self._answer is not None or self._own is not None:
             self._parser = _AnsweringParser(self._parser, self)  # type: ignore[assignment]  # (its interface)
         self._connections = connections
         self._header_timeout = header_timeout
@@ -247,6 +266,8 @@ class _GuardedHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._stop_head_timer()
+        if self._taken is not None:  # the client left: its request is withdrawn (aiohttp cancels a handler)
+            self._taken.cancel()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         if self._counted:
@@ -256,6 +277,13 @@ class _GuardedHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._linger_timer is not None:
+            return
+        if self._taken is not None:  # (the app answers a request it took: what follows waits for that)
+            self._held_input.append(data)
+            self._held_bytes += len(data)
+            if self._held_bytes > HELD_INPUT_BYTES and not self._held_paused and self.transport is not None:
+                self._held_paused = True
+                self.transport.pause_reading()
             return
         if self._awaiting_head and self.head_at is None:
             self.head_at = self._loop.time()  # the loop's time of this turn: earlier callbacks' waits count
@@ -281,24 +309,73 @@ class _GuardedHandler(RequestHandler):
         answer leaves to it. Only while nothing else is in progress on the connection (every request
         handed to aiohttp has been answered), so answers go out in the order their requests came."""
         transport = cast(asyncio.Transport | None, self.transport)
-        if self._finished != self._request_count or self._messages or transport is None \
-                or transport.is_closing():
+        if self._finished != self._request_count or self._messages or self._taken is not None \
+                or transport is None or transport.is_closing():
             return messages
-        assert self._answer is not None
         consumed = cast(_AnsweringParser, self._parser).consumed
+        last = len(messages) - 1
         for i, (message, payload) in enumerate(messages):
             if not isinstance(message, RawRequestMessage) or not payload.is_eof():
                 return messages[i:]
-            answer = self._answer(message, payload, self)
+            answer = self._answer(message, payload, self) if self._answer is not None else None
             if answer is None:
-                return messages[i:]
+                # Taken by the app only when nothing is pipelined behind it (that goes to aiohttp as it is).
+                job = self._own(message, payload, self) if self._own is not None and i == last else None
+                if job is None:
+                    return messages[i:]
+                consumed()
+                self._answered += 1
+                self._keepalive = False  # (no keep-alive close while it is answered: see _taken_done)
+                self._taken = self._loop.create_task(job)
+                self._taken.add_done_callback(self._taken_done)
+                return ()
             consumed()
             transport.write(answer)
             self._answered += 1
-            # Kept alive, as after any response: the keep-alive timer counts from this one.
-            self._keepalive = True
-            self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+            self._kept_alive()
         return ()
+
+    def _kept_alive(self) -> None:
+        """Kept alive, as after any response: the keep-alive timer counts from this one (aiohttp's)."""
+        self._keepalive = True
+        close_time = self._loop.time() + self._keepalive_timeout
+        self._next_keepalive_close_time = close_time
+        if self._keepalive_handle is None and self._keepalive_timeout > 0:
+            self._keepalive_handle = self._loop.call_at(close_time, self._process_keepalive)
+
+    def _taken_done(self, task: asyncio.Task[tuple[bytes, bool]]) -> None:
+        """A request the app took is answered: its answer is written, then what arrived meanwhile is
+        read as if it had just arrived. (Cancelled: the client left; nothing to write to.)"""
+        self._taken = None
+        if task.cancelled():
+            return
+        transport = cast(asyncio.Transport | None, self.transport)
+        exc = task.exception()
+        if exc is not None:  # (the app's answer answers its failures: this is a bug, not the client's)
+            log.error("own_answer_failed", error=f"{type(exc).__name__}: {exc}")
+            if transport is not None:
+                transport.close()
+            return
+        answer, close = task.result()
+        if transport is None or transport.is_closing():
+            return
+        transport.write(answer)
+        if close:
+            transport.close()
+            return
+        self._kept_alive()
+        if self._held_paused:
+            self._held_paused = False
+            transport.resume_reading()
+        if self._held_input:
+            held, self._held_input, self._held_bytes = b"".join(self._held_input), [], 0
+            self.data_received(held)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        # A request the app took is answered before the connection goes, as aiohttp waits for its own.
+        if self._taken is not None:
+            await asyncio.wait({self._taken}, timeout=timeout)
+        await super().shutdown(timeout)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -449,15 +526,27 @@ class GuardedSite(web.BaseSite):
         assert server is not None  # BaseSite refuses a runner that is not set up
         return _GuardedHandler(
             server, connections=self.connections, header_timeout=self._header_timeout,
-            timed_out=self._timed_out, answer=self._app.get(HEAD_ANSWER), **self._kwargs,
+            timed_out=self._timed_out, answer=self._app.get(HEAD_ANSWER), own=self._app.get(OWN_ANSWER),
+            **self._kwargs,
         )
+
+
+class Taken:
+    """What a request the app took (:data:`OWN_ANSWER`) keeps of its connection as it was when taken, as
+    its ``protocol``: when its head began to arrive, and the hold the head's check took for it."""
+
+    __slots__ = ("head_at", "head_held")
+
+    def __init__(self, protocol: _GuardedHandler) -> None:
+        self.head_at = protocol.head_at
+        self.head_held, protocol.head_held = protocol.head_held, None
 
 
 def arrived(request: web.BaseRequest) -> float:
     """When ``request``'s head began to arrive, on ``time.monotonic()``'s clock (now if unknown)."""
     now = time.monotonic()
     protocol = request.protocol
-    head_at = protocol.head_at if isinstance(protocol, _GuardedHandler) else None
+    head_at = protocol.head_at if isinstance(protocol, (_GuardedHandler, Taken)) else None
     return now if head_at is None or head_at > now else head_at
 
 
@@ -465,7 +554,7 @@ def held_at_head(request: web.BaseRequest) -> Hold | None:
     """The hold of ``request``'s room if the app's answer on the connection (:data:`HEAD_ANSWER`)
     passed it (read once: it is this request's, and cleared); None if it did not judge it."""
     protocol = request.protocol
-    if isinstance(protocol, _GuardedHandler) and protocol.head_held is not None:
+    if isinstance(protocol, (_GuardedHandler, Taken)) and protocol.head_held is not None:
         held, protocol.head_held = protocol.head_held, None
         return held
     return None
