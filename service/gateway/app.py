@@ -233,9 +233,10 @@ def create_app(settings: Settings, runner_factory: RunnerFactory | None = None) 
     docs.add_routes(app)  # /docs and its assets
     app[QUEUED_PATHS] = frozenset(d.path for d in app[ROUTES] if d.doc.queued and d.method == "POST")
     app[HEAD_ANSWER] = head_refusal(app)  # (the connection's own refusals: guard.GuardedSite)
-    # The hot route's plain requests, answered by the connection below aiohttp's request path (plain.py).
-    app[OWN_ANSWER] = plain_answer(app, {"/v1/embeddings": create_embeddings,
-                                         "/embeddings": create_embeddings}, front)
+    # The model routes' plain requests, answered by the connection below aiohttp's request path (plain.py).
+    posted = {route.resource.canonical: route.handler for route in app.router.routes()
+              if route.method == "POST" and route.resource is not None}
+    app[OWN_ANSWER] = plain_answer(app, {path: posted[path] for path in app[QUEUED_PATHS]}, front)
     openapi.publish(app)  # /openapi.json, built from every route above: keep it last
     return app
 

@@ -5,7 +5,8 @@ For each request aiohttp makes a ``Request`` (its URL, match info, payload reade
 through its dispatcher: a third of the Python a one-sentence embedding request runs in one process
 (``python -m coalesce.loadtests.gateway_ops``). A request that arrived whole (head and body) on a
 keep-alive HTTP/1.1 connection with nothing else in progress, to a route the app answers itself
-(:func:`plain_answer`'s ``handlers``: the OpenAI embeddings route), is taken by the connection
+(:func:`plain_answer`'s ``handlers``: every model route, whose body is a model's inputs — OpenAI's,
+TEI's, Cohere's, classification and rerank alike; ``app.create_app``), is taken by the connection
 (``guard.OWN_ANSWER``): it runs the same steps, the app's middleware (``app.front``: the head's
 overload check, request id, metrics, the key check, the body limit, errors in the route's dialect)
 around the route's own handler, on a :class:`PlainRequest` made from the parsed message, and its
