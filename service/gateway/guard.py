@@ -45,8 +45,8 @@ What aiohttp lacks, added here:
   from its head costs (``shed``). While the connection has nothing else in progress, a request whose
   head and body have arrived whole is offered to the app's answer first, on the parsed message; what
   it answers is written at once and never reaches aiohttp, keep-alive kept. A plain request of a route
-  the app answers itself (:data:`OWN_ANSWER`, ``plain.py``: the OpenAI embeddings route) is then taken
-  whole by the app, answered when its result is in, with nothing of aiohttp's request path in between;
+  the app answers itself (:data:`OWN_ANSWER`, ``plain.py``: the model routes) is then taken whole by
+  the app, answered when its result is in, with nothing of aiohttp's request path in between;
   what arrives on the connection meanwhile waits until that answer is written, so answers go out in
   the order their requests came.
 * **the descriptor limit**: :class:`GuardedSite` raises the soft ``RLIMIT_NOFILE`` to the hard one when
@@ -352,7 +352,7 @@ class _GuardedHandler(RequestHandler):
         transport = cast(asyncio.Transport | None, self.transport)
         exc = task.exception()
         if exc is not None:  # (the app's answer answers its failures: this is a bug, not the client's)
-            log.error("own_answer_failed", error=f"{type(exc).__name__}: {exc}")
+            log.error("own_answer_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
             if transport is not None:
                 transport.close()
             return

@@ -1,4 +1,4 @@
-"""Plain requests answered below aiohttp's request path: the connection's own answer to the hot route.
+"""Plain requests answered below aiohttp's request path: the connection's own answer to the model routes.
 
 For each request aiohttp makes a ``Request`` (its URL, match info, payload reader), a task, a
 ``Response`` with a writer that prepares its headers and writes twice, and runs the app's middleware
