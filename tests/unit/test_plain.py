@@ -209,3 +209,24 @@ async def test_a_shutdown_answers_a_taken_request_before_its_connection_goes(
     assert answer.status == 200
     vector = answer.json()["data"][0]["embedding"]
     assert vector == pytest.approx(runner.expected("in flight").tolist(), abs=1e-6)
+
+
+async def test_a_connection_idle_after_a_taken_request_is_closed_at_the_keepalive_timeout() -> None:
+    # The keep-alive timer is off while a request is taken (it must not close the connection under it)
+    # and counts from its answer: here the answer comes after the timer's first deadline has passed.
+    runner = GatedFake()
+    srv = ServerThread(build(["--keepalive-timeout-s", "0.3"], environ={}), lambda spec: runner).start()
+    try:
+        reader, writer = await rawhttp.connect(srv.port)
+        runner.gate.clear()
+        writer.write(_post({"model": "fake", "input": "slow"}))
+        assert await asyncio.to_thread(runner.entered.wait, 10)
+        await asyncio.sleep(0.6)  # past the timer's deadline, counted from the connection's start
+        runner.gate.set()
+        assert (await rawhttp.read_answer(reader, then_eof=False)).status == 200
+        async with asyncio.timeout(5):  # then idle: closed once the timeout has passed since the answer
+            assert await reader.read(1) == b""
+        writer.close()
+    finally:
+        runner.gate.set()
+        srv.stop()
