@@ -32,10 +32,16 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
 from .. import tracing
+from ..dialects import render
+from ..errors import CoalesceError
+from ..logs import get_logger
+from ..schemas import encoder
 from .answers import http_date, raw_response
 from .guard import OwnAnswer, Taken
+from .routing import dialect_of
 from .state import Handler
 
+log = get_logger("coalesce.gateway")
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
@@ -90,9 +96,16 @@ def plain_answer(app: web.Application, handlers: Mapping[str, Handler], middlewa
 async def _answer(request: web.Request, handler: Handler, middleware: Middleware) -> tuple[bytes, bool]:
     """``request`` answered by ``middleware`` around ``handler``: the HTTP response in bytes, and
     whether the connection ends after it."""
-    resp = cast(web.Response, await middleware(request, handler))
+    resp = await middleware(request, handler)
+    body = resp.body if isinstance(resp, web.Response) else None
+    if not isinstance(body, (bytes, bytearray)):  # (streamed: no model route's answer; aiohttp's would do)
+        log.error("own_answer_not_bytes", route=request.path, response=type(resp).__name__,
+                  body=type(body).__name__)
+        err = CoalesceError("Internal server error.", code="internal_error")
+        return raw_response(err.status, encoder.encode(render(err, dialect_of(request)).body), {},
+                            close=True), True
+    body = bytes(body)
     close = resp.keep_alive is False
-    body = resp.body if isinstance(resp.body, bytes) else b""
     headers = resp.headers
     if hdrs.CONTENT_LENGTH in headers or hdrs.CONTENT_TYPE not in headers:  # (none of the routes' own)
         rest = {k: v for k, v in headers.items() if k not in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH)}

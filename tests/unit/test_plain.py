@@ -10,6 +10,7 @@ import json
 import threading
 import urllib.request
 from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 from coalesce.service.settings import build
@@ -230,3 +231,35 @@ async def test_a_connection_idle_after_a_taken_request_is_closed_at_the_keepaliv
     finally:
         runner.gate.set()
         srv.stop()
+
+
+async def test_a_taken_request_s_answer_is_its_response_in_bytes_or_a_500_for_one_it_cannot_write() -> None:
+    from aiohttp import web
+    from coalesce.service.gateway.plain import _answer
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        raise AssertionError("the middleware answers alone here")
+
+    def answering(resp: web.StreamResponse) -> Any:
+        async def middleware(request: web.Request, handler: object) -> web.StreamResponse:
+            return resp
+        return middleware
+
+    class _Request(dict[str, object]):  # (what the 500's dialect and log read of a request)
+        path = "/v1/embeddings"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.app: dict[object, object] = {}
+
+    req = cast(web.Request, _Request())
+    resp = web.Response(body=bytearray(b'{"a":1}'), status=201, content_type="application/json",
+                        headers={"x-one": "1"})
+    written, close = await _answer(req, handler, answering(resp))
+    head, _, body = written.partition(b"\r\n\r\n")
+    assert not close and body == b'{"a":1}' and head.startswith(b"HTTP/1.1 201 Created\r\n")
+    assert b"\r\nContent-Length: 7\r\n" in head and b"\r\nx-one: 1\r\n" in head and b"\r\nDate: " in head
+    # A streamed body (not bytes) cannot be written whole: a 500 in the route's dialect, and the close.
+    written, close = await _answer(req, handler, answering(web.Response(body=memoryview(b"x"))))
+    assert close and written.startswith(b"HTTP/1.1 500 ") and b"Connection: close" in written
+    assert json.loads(written.partition(b"\r\n\r\n")[2])["error"]["code"] == "internal_error"
