@@ -113,9 +113,10 @@ async def _answer(request: web.Request, handler: Handler, middleware: Middleware
                             content_type=headers.get(hdrs.CONTENT_TYPE, "application/json")), close
     # What raw_response writes, for the route's headers as they stand (Content-Type among them).
     status = _STATUS.get(resp.status) or f"HTTP/1.1 {resp.status} {HTTPStatus(resp.status).phrase}\r\n"
-    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    lines = "".join(map(_HEADER.format, headers.items()))  # (no Python frame a header)
     end = "Connection: close\r\n\r\n" if close else f"Date: {http_date()}\r\n\r\n"
     return f"{status}Content-Length: {len(body)}\r\n{lines}{end}".encode("latin-1") + body, close
 
 
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
+_HEADER = "{0[0]}: {0[1]}\r\n"  # one (name, value) pair as a head's line
