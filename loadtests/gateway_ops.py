@@ -74,9 +74,9 @@ def _run(url: str, scenario: Scenario, label: str) -> StepResult:
 
 # The server side, run with ``python -c``: it imports nothing of this module, so that it runs any
 # checkout's service (``--server-path``: an earlier commit's, first on PYTHONPATH). ``coalesce serve``
-# (``sys.argv[2:]``) with its event loop's thread counted from SIGUSR1 to SIGUSR2 (as ``engine_ops``'
-# ``_OpCounter``); at SIGUSR2 the totals and each function's bytecodes (qualified name, file, first
-# line) go to the file ``sys.argv[1]`` names, whole or not at all.
+# (``sys.argv[2:]``) with its event loop's thread counted from START to STOP (``{start}``, ``{stop}``: their
+# names; as ``engine_ops``' ``_OpCounter`` counts); at STOP the totals and each function's bytecodes
+# (qualified name, file, first line) go to the file ``sys.argv[1]`` names, whole or not at all.
 SERVER = """
 import collections, json, os, signal, sys
 out, argv = sys.argv[1], sys.argv[2:]
@@ -100,8 +100,8 @@ def stop(*_):
     with open(out + ".tmp", "w") as f:
         json.dump({"bytecodes": ops[0], "calls": calls[0], "functions": functions}, f)
     os.replace(out + ".tmp", out)
-signal.signal(signal.SIGUSR1, start)
-signal.signal(signal.SIGUSR2, stop)
+signal.signal(signal.{start}, start)
+signal.signal(signal.{stop}, stop)
 from coalesce.service.cli import main
 sys.exit(main(argv))
 """
@@ -113,7 +113,8 @@ def measure(clients: int, seconds: float, out: Path, server_path: str | None = N
     checkout's service)."""
     counts = out / "counts.json"
     counts.unlink(missing_ok=True)
-    command = [sys.executable, "-c", SERVER, str(counts)]
+    command = [sys.executable, "-c", SERVER.replace("{start}", START.name).replace("{stop}", STOP.name),
+               str(counts)]
     # (The system allocator: jemalloc's is set by re-executing the process, which these signals' handlers
     # would not survive; the allocator moves no bytecode.)
     spec = servers.coalesce_spec("one process", [*NULL, "--workers", "1", "--allocator", "system"], command)
@@ -162,7 +163,7 @@ def report(figures: dict[str, Any], top: int) -> str:
              "", "by package, bytecodes a request:"]
     lines += [f"{n:9,.0f}  {n / total:6.1%}  {name}" for name, n in figures["packages"].items() if n >= 1]
     lines += ["", f"the {top} functions that execute the most, bytecodes a request:"]
-    lines += [f"{n:9,.1f}  {where}" for where, n in figures["functions"][:top]]
+    lines += [f"{n:9,.1f}  {place}" for place, n in figures["functions"][:top]]
     return "\n".join(lines)
 
 

@@ -51,15 +51,18 @@ def http_date() -> str:
 
 
 def raw_response(status: int, body: bytes, headers: Mapping[str, str], *, close: bool,
-                 content_type: str = "application/json") -> bytes:
-    """A whole HTTP/1.1 response with a JSON ``body`` (or ``content_type``'s): for answers a connection
-    writes itself. ``close``: the connection ends after it (``Connection: close``); else it is kept
-    alive, and the answer carries the ``Date`` aiohttp's own answers do."""
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Content-Type: {content_type}",
-             f"Content-Length: {len(body)}"]
-    if close:
-        lines.append("Connection: close")
-    else:
-        lines.append(f"Date: {http_date()}")
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+                 content_type: str | None = "application/json") -> bytes:
+    """A whole HTTP/1.1 response: for answers a connection writes itself. ``headers``: all but
+    ``Content-Length`` (written from ``body``) and ``Content-Type`` when ``content_type`` is given (None:
+    ``headers`` carry their own). ``close``: the connection ends after it (``Connection: close``); else
+    it is kept alive, and the answer carries the ``Date`` aiohttp's own answers do."""
+    head = _STATUS.get(status) or f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+    if content_type is not None:
+        head += f"Content-Type: {content_type}\r\n"
+    lines = "".join(map(_HEADER.format, headers.items()))  # (no Python frame a header)
+    end = "Connection: close\r\n\r\n" if close else f"Date: {http_date()}\r\n\r\n"
+    return f"{head}Content-Length: {len(body)}\r\n{lines}{end}".encode("latin-1") + body
+
+
+_STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
+_HEADER = "{0[0]}: {0[1]}\r\n"  # one (name, value) pair as a head's line

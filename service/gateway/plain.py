@@ -23,7 +23,6 @@ go out in the order their requests came; a client that leaves cancels it, as aio
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -36,7 +35,7 @@ from ..dialects import render
 from ..errors import CoalesceError
 from ..logs import get_logger
 from ..schemas import encoder
-from .answers import http_date, raw_response
+from .answers import raw_response
 from .guard import OwnAnswer, Taken
 from .routing import dialect_of
 from .state import Handler
@@ -67,14 +66,12 @@ class PlainRequest(dict[Any, Any]):
 def plain_answer(app: web.Application, handlers: Mapping[str, Handler], middleware: Middleware) -> OwnAnswer:
     """The connection's taking of a plain ``POST`` to one of ``handlers``' paths (see the module's
     docstring), answered by ``middleware`` around the path's handler; None for anything else."""
-    # What the middleware reads of a request's route (aiohttp's match info: its resource's canonical path).
-    matched = {path: SimpleNamespace(route=SimpleNamespace(resource=SimpleNamespace(canonical=path)))
-               for path in handlers}
+    routes = {path: (handler, _match_info(path)) for path, handler in handlers.items()}
 
     def take(message: RawRequestMessage, payload: StreamReader, protocol: Any
              ) -> Coroutine[Any, Any, tuple[bytes, bool]] | None:
-        handler = handlers.get(message.path)
-        if handler is None or message.method != "POST" or message.should_close or message.upgrade \
+        route = routes.get(message.path)
+        if route is None or message.method != "POST" or message.should_close or message.upgrade \
                 or message.version != HttpVersion11 or tracing.active is not None:
             return None
         headers = message.headers
@@ -87,10 +84,17 @@ def plain_answer(app: web.Application, handlers: Mapping[str, Handler], middlewa
         if length <= 0 or payload.exception() is not None:
             return None
         body = payload.read_nowait(-1)  # (whole: the payload is at its end, its Content-Length long)
-        request = PlainRequest(app, message, payload, body, length, matched[message.path], Taken(protocol))
+        handler, match_info = route
+        request = PlainRequest(app, message, payload, body, length, match_info, Taken(protocol))
         return _answer(cast(web.Request, request), handler, middleware)
 
     return take
+
+
+def _match_info(path: str) -> object:
+    """What the middleware reads of a request's route: aiohttp's match info, its resource's canonical
+    path."""
+    return SimpleNamespace(route=SimpleNamespace(resource=SimpleNamespace(canonical=path)))
 
 
 async def _answer(request: web.Request, handler: Handler, middleware: Middleware) -> tuple[bytes, bool]:
@@ -101,22 +105,14 @@ async def _answer(request: web.Request, handler: Handler, middleware: Middleware
     if not isinstance(body, (bytes, bytearray)):  # (streamed: no model route's answer; aiohttp's would do)
         log.error("own_answer_not_bytes", route=request.path, response=type(resp).__name__,
                   body=type(body).__name__)
-        err = CoalesceError("Internal server error.", code="internal_error")
-        return raw_response(err.status, encoder.encode(render(err, dialect_of(request)).body), {},
-                            close=True), True
+        rendered = render(CoalesceError("Internal server error.", code="internal_error"), dialect_of(request))
+        answer = raw_response(rendered.status, encoder.encode(rendered.body), rendered.headers, close=True)
+        return answer, True
     body = bytes(body)
     close = resp.keep_alive is False
-    headers = resp.headers
-    if hdrs.CONTENT_LENGTH in headers or hdrs.CONTENT_TYPE not in headers:  # (none of the routes' own)
-        rest = {k: v for k, v in headers.items() if k not in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH)}
-        return raw_response(resp.status, body, rest, close=close,
-                            content_type=headers.get(hdrs.CONTENT_TYPE, "application/json")), close
-    # What raw_response writes, for the route's headers as they stand (Content-Type among them).
-    status = _STATUS.get(resp.status) or f"HTTP/1.1 {resp.status} {HTTPStatus(resp.status).phrase}\r\n"
-    lines = "".join(map(_HEADER.format, headers.items()))  # (no Python frame a header)
-    end = "Connection: close\r\n\r\n" if close else f"Date: {http_date()}\r\n\r\n"
-    return f"{status}Content-Length: {len(body)}\r\n{lines}{end}".encode("latin-1") + body, close
-
-
-_STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
-_HEADER = "{0[0]}: {0[1]}\r\n"  # one (name, value) pair as a head's line
+    headers: Mapping[str, str] = resp.headers
+    if hdrs.CONTENT_LENGTH in headers:  # (written from the body; none of the routes sets it)
+        headers = {k: v for k, v in headers.items() if k != hdrs.CONTENT_LENGTH}
+    # (aiohttp writes a bytes body without a type as application/octet-stream)
+    content_type = None if hdrs.CONTENT_TYPE in headers else "application/octet-stream"
+    return raw_response(resp.status, body, headers, close=close, content_type=content_type), close
