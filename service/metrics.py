@@ -8,9 +8,9 @@ process writes its series to that directory and ``render`` aggregates all of the
 any worker describes the replica: counters and histograms add up, and each gauge says how its workers'
 values combine (``multiprocess_mode``; ignored in a single process).
 
-Written in bulk: a turn's answered requests when the turn ends, a batcher's per-batch series and gauges
-(:class:`BatchTally`) at most every :data:`FLUSH_S`; ``render`` writes what is pending first, so a scrape
-of one process reads every request and batch so far, and under ``--workers`` the engine's series reach
+Written in bulk, at most every :data:`FLUSH_S`: the answered requests and those in flight, a batcher's
+per-batch series and gauges (:class:`BatchTally`); ``render`` writes what is pending first, so a scrape
+of one process reads every request and batch so far, and under ``--workers`` each process's series reach
 the shared files at most :data:`FLUSH_S` late.
 
 Resident memory: one process exports prometheus_client's ``process_*`` series
@@ -409,9 +409,9 @@ class Metrics:
 
     def request_started(self) -> None:
         """Count one request in flight (``coalesce_inflight_requests``) until :meth:`request_done` with
-        ``started``. On an event loop a turn's starts and ends are written together when the turn ends,
-        as their net change (as the answered requests are: :meth:`request_done`): one locked write or
-        none a turn, not two a request (under ``--workers``, each a write to the gauge's shared file)."""
+        ``started``. On an event loop the starts and ends are written together with the answered requests
+        (:meth:`request_done`), as their net change: one locked write or none a flush, not two a request
+        (under ``--workers``, each a write to the gauge's shared file)."""
         if self._in_turn():
             self._in_flight += 1
         else:
@@ -421,9 +421,12 @@ class Metrics:
         """Count one answered request (``route`` is a canonical route, so the key set stays small);
         ``started``: one :meth:`request_started` counted, no longer in flight.
 
-        On an event loop the turn's requests are counted together when the turn ends (a scrape, which
-        comes in a later turn, sees them all; ``render`` counts what is left first): one locked write per
-        series and bucket per turn instead of three or four per request."""
+        On an event loop the requests answered within :data:`FLUSH_S` are counted together (a scrape
+        of this process sees them all: ``render`` counts what is left first; under ``--workers`` one
+        reading another process's files reads them at most that much behind, as the batchers' series):
+        one locked write per series and bucket per flush instead of three or four per request. (Written
+        at each turn's end, as they were, the histogram's buckets were still a write each per turn: a
+        request's most costly metric on a saturated gateway, of a few requests a turn.)"""
         if not self._in_turn():
             if started:
                 self.inflight.dec()
@@ -446,7 +449,7 @@ class Metrics:
             if loop is None:
                 return False
             self._flush_loop = loop
-            loop.call_soon(self._flush_answered)
+            loop.call_later(FLUSH_S, self._flush_answered)
         return True
 
     def _flush_answered(self) -> None:

@@ -376,7 +376,9 @@ class Admitter:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
         wait = self.wait_s(ahead, now, held_tokens, held_inputs)
-        verdict = judge_wait(self.regime.observe(now), elapsed, wait, self.batch_s(first), cfg)
+        standing = self.regime.observe(now)
+        # (The batch it rides in counts only against a standing queue's bound: not predicted otherwise.)
+        verdict = judge_wait(standing, elapsed, wait, self.batch_s(first) if standing else 0.0, cfg)
         if verdict is None:
             return None
         reason, allowed, what = verdict
@@ -578,7 +580,8 @@ def judge_wait(
     wait ``wait`` s more and then run ``own`` s, is admitted by the regime; else (reason, the wait its
     regime admits, why). Under a standing queue every second counts against ``max_queue_wait_s``; into
     a queue that keeps emptying, the queue's own wait is what ``burst_wait_s`` bounds (the time a
-    request spent before admission counts against its deadline, which admission checks too). The one
+    request spent before admission counts against its deadline, which admission checks too; ``own`` is
+    not read, and callers need not predict it). The one
     rule, for the engine's admission and a gateway's check on the engine's last report alike."""
     if standing:
         promise = DOOR * cfg.max_queue_wait_s

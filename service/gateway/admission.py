@@ -27,7 +27,7 @@ from .state import SETTINGS
 HELD: web.RequestKey[Hold] = web.RequestKey("held")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
     tenant: str
     weight: float
@@ -35,7 +35,10 @@ class Admission:
     timeout_s: float
     deadline: float  # on time.monotonic()
     arrived: float  # when the request's head arrived, on time.monotonic()
-    held: Hold | None = None  # its room's hold since the check from its head (HELD); None: not checked
+    # Its room's hold since its check: from its head (HELD), or the route's before tokenising (set by
+    # ``ServedModel.check_room``, which then does not check again); None: not checked yet. The only field
+    # that changes.
+    held: Hold | None = None
 
 
 def admission(request: web.Request) -> Admission:

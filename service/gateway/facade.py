@@ -195,8 +195,9 @@ class ServedModel:
         ``inputs`` inputs (the first of about ``first``) now, before any tokenising (estimates: err
         low; the model decides again on the real counts). ``hold``: one that passes is counted ahead
         of the next ones until it is admitted (``Admitter.precheck``); returns its :class:`Hold`
-        (empty: nothing held). A request with ``adm.held`` passed the check from its head (``shed``),
-        which holds its room until it is admitted: it is not checked again."""
+        (empty: nothing held), which goes with ``adm`` to its admission. A request with ``adm.held``
+        passed a check already (from its head, ``shed``, or a route's), which holds its room until it
+        is admitted: it is not checked again."""
         raise NotImplementedError
 
     @property
@@ -282,10 +283,17 @@ class LocalModel(ServedModel):
     def check_room(self, adm: Admission, first: int = 1, total: int = 1, inputs: int = 1, *,
                    hold: bool = True) -> Hold:
         if adm.held is not None:
-            return adm.held  # (checked from its head, its room held: admission decides on the real counts)
-        return self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority,
+            return adm.held  # (checked already, its room held: admission decides on the real counts)
+        held = self._batcher.check_room(adm.tenant, weight=adm.weight, priority=adm.priority,
                                         arrived=adm.arrived, first=first, total=total, inputs=inputs,
                                         hold=hold)
+        if hold:
+            # The hold goes with the request to its admission, which ends it whole. Released by count
+            # instead (the oldest of its class, by the real tokens), an estimate above the real count
+            # left its excess held for HOLD_S, counted ahead of every later request, and the one
+            # released was another request's hold, not necessarily its own.
+            adm.held = held
+        return held
 
     def submit(
         self, seqs: Sequence[Sequence[int]], adm: Admission, kind: OutputKind, link: bytes | None = None

@@ -155,3 +155,27 @@ async def test_in_one_process_a_refusal_reaches_only_its_own_request_and_a_calle
     np.testing.assert_allclose(got[0].rows[0], rig.runner.expected("a"), rtol=1e-6)
     assert isinstance(got[1], InvalidRequest) and got[1].code == "request_too_large"
     assert rig.sample("coalesce_inputs_total") == 1  # "gone" was never computed
+
+
+async def test_in_one_process_the_routes_hold_goes_with_its_request_and_ends_whole_at_admission() -> None:
+    # The route's check before tokenising holds room for an estimate of the request's tokens; admission
+    # ends that hold whole on the real count. Released by count instead (the oldest hold of the class),
+    # an estimate above the real count left its excess held, counted ahead of every later request.
+    rig = BatcherRig(FakeRunner(), max_queue_wait_s=2.0)
+    info = ModelInfo(name="fake", task=Task.EMBED, max_tokens=32, vocab_size=1000, dim=8)
+    model = LocalModel(rig.batcher, info, FakeTokens(), device="cpu", metrics=rig.metrics, prompts=None,
+                       calibration=None)
+    admission = rig.batcher.scheduler.admission
+    try:
+        first, second = _admission(), _admission()
+        held = model.check_room(first, 1, 20, 1)  # an estimate of 20 tokens; the text is 3
+        assert held and admission._held_ahead(1, time.monotonic())[0] == 20
+        assert model.check_room(first, 1, 20, 1) is held  # checked once: its hold is not taken twice
+        model.check_room(second, 1, 5, 1)
+        results = await asyncio.gather(model.infer(rig.seqs("a"), first), model.infer(rig.seqs("b"), second))
+        assert [len(r.rows) for r in results] == [1, 1]
+        assert first.held is held and held[1] == 0 and second.held is not None and second.held[1] == 0
+        assert admission._held_ahead(2, time.monotonic()) == (0, 0.0)  # nothing left over by either
+    finally:
+        model.close()
+        await rig.aclose()

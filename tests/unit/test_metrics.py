@@ -151,18 +151,21 @@ async def test_a_tally_is_written_within_the_flush_interval_without_a_scrape() -
     assert read("coalesce_batches_total") == 51
 
 
-async def test_requests_in_flight_are_written_once_a_turn_and_read_exactly_by_a_scrape() -> None:
-    """``coalesce_inflight_requests`` is a turn's net change, written when the turn ends; a scrape in
-    the middle of a turn reads every start and end so far (itself included, as a route does)."""
+async def test_requests_in_flight_are_written_once_an_interval_and_read_exactly_by_a_scrape() -> None:
+    """``coalesce_inflight_requests`` is the net change of the requests started and ended within
+    ``FLUSH_S``, written then; a scrape at any moment reads every start and end so far (itself included,
+    as a route does)."""
     metrics = Metrics()
     read = lambda: metrics.registry.get_sample_value("coalesce_inflight_requests")  # noqa: E731 (no flush)
     for _ in range(5):
         metrics.request_started()
     metrics.request_done("/v1/embeddings", 200, 0.01, started=True)
     metrics.request_done("/v1/embeddings", 429, 0.001)  # refused from its head (shed): never started
-    assert read() == 0, "written at once, not when the turn ends"
+    assert read() == 0, "written at once, not once an interval"
     await asyncio.sleep(0)
     await asyncio.sleep(0)
+    assert read() == 0, "written when the turn ends, not once an interval"
+    await asyncio.sleep(FLUSH_S * 4)
     assert read() == 4
     assert metrics.registry.get_sample_value(
         "coalesce_requests_total", {"route": "/v1/embeddings", "status": "200"}) == 1
@@ -173,8 +176,7 @@ async def test_requests_in_flight_are_written_once_a_turn_and_read_exactly_by_a_
     assert metrics.registry.get_sample_value(
         "coalesce_requests_total", {"route": "/v1/embeddings", "status": "200"}) == 5
     metrics.request_done("/metrics", 200, 0.001, started=True)
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await asyncio.sleep(FLUSH_S * 4)
     assert read() == 0
 
 
