@@ -245,6 +245,10 @@ class _GuardedHandler(RequestHandler):
         self._held_input: list[bytes] = []
         self._held_bytes = 0
         self._held_paused = False
+        # A resume of reading asked for while a request is taken (:meth:`resume_reading`), and whether
+        # it has anything to resume once the request is answered.
+        self._taking = False
+        self._resume_later = False
         if self._answer is not None or self._own is not None:
             self._parser = _AnsweringParser(self._parser, self)  # type: ignore[assignment]  # (its interface)
         self._connections = connections
@@ -320,9 +324,22 @@ class _GuardedHandler(RequestHandler):
             answer = self._answer(message, payload, self) if self._answer is not None else None
             if answer is None:
                 # Taken by the app only when nothing is pipelined behind it (that goes to aiohttp as it is).
-                job = self._own(message, payload, self) if self._own is not None and i == last else None
+                job = None
+                if self._own is not None and i == last:
+                    self._taking = True  # (it reads the body: see resume_reading)
+                    try:
+                        job = self._own(message, payload, self)
+                    finally:
+                        self._taking = False
                 if job is None:
+                    self._resume_later = False
                     return messages[i:]
+                # Something to resume after its answer only if reading was paused for a body, or the
+                # parser stopped at its bound of messages in flight (those parsed now, as nothing was in
+                # progress), keeping the rest unparsed: else nothing was paused, nothing is kept.
+                bound = getattr(self, "_max_msg_queue_size", 0)  # (3.14's parser's bound; none before)
+                self._resume_later = self._resume_later and (
+                    self._reading_paused or (bool(bound) and len(messages) >= bound))
                 consumed()
                 self._answered += 1
                 self._keepalive = False  # (no keep-alive close while it is answered: see _taken_done)
@@ -364,12 +381,28 @@ class _GuardedHandler(RequestHandler):
             transport.close()
             return
         self._kept_alive()
+        if self._resume_later:  # (first: what the parser kept came before what was held)
+            self._resume_later = False
+            super().resume_reading()
         if self._held_paused:
             self._held_paused = False
             transport.resume_reading()
         if self._held_input:
             held, self._held_input, self._held_bytes = b"".join(self._held_input), [], 0
             self.data_received(held)
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        """aiohttp's, except while a request is taken: reading its whole body (every read that leaves a
+        payload under its low-water mark asks to resume, paused or not) resumed the parser at once,
+        re-entering :meth:`data_received` in the middle of taking it, before its task was set: a pass
+        through the connection's and aiohttp's parsing per taken request for nothing, and, had the
+        parser kept requests unparsed, them parsed and answered or handed to aiohttp ahead of it. So it
+        waits for the answer (:meth:`_taken_done`), as what arrives meanwhile does, and is skipped
+        where nothing was paused."""
+        if self._taking or self._taken is not None:
+            self._resume_later = True
+            return
+        super().resume_reading(resume_parser)
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
         # A request the app took is answered before the connection goes, as aiohttp waits for its own.

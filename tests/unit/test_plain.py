@@ -263,3 +263,46 @@ async def test_a_taken_request_s_answer_is_its_response_in_bytes_or_a_500_for_on
     written, close = await _answer(req, handler, answering(web.Response(body=memoryview(b"x"))))
     assert close and written.startswith(b"HTTP/1.1 500 ") and b"Connection: close" in written
     assert json.loads(written.partition(b"\r\n\r\n")[2])["error"]["code"] == "internal_error"
+
+
+async def test_requests_the_parser_kept_at_its_bound_are_answered_after_the_one_taken_in_order() -> None:
+    # aiohttp's parser stops at its bound of requests in flight, keeping the rest unparsed. Here the
+    # connection answers the first ones from their heads (as a standing queue's refusals), takes the one
+    # at the bound, and what the parser kept comes after it. Reading the taken request's body asked
+    # aiohttp to resume, which parsed the kept request then, before the taken one was set: that one was
+    # taken too, the first overwritten, and its answer could go first.
+    from aiohttp import web_protocol
+    from coalesce.service.gateway.answers import raw_response
+    from coalesce.service.gateway.guard import HEAD_ANSWER
+
+    bound = getattr(web_protocol, "MAX_MSG_QUEUE_SIZE", 0)
+    if not bound:
+        pytest.skip("this aiohttp's parser keeps no bound of requests in flight")
+    runner = GatedFake()
+    srv = ServerThread(build(["--cpu-forwards", "1"], environ={}), lambda spec: runner)
+    refusal = raw_response(429, b'{"refused": true}', {}, close=False)
+
+    def refuse_marked(message: Any, payload: Any, protocol: Any) -> bytes | None:
+        return refusal if "X-Refuse" in message.headers else None
+
+    srv.app[HEAD_ANSWER] = refuse_marked
+    srv.start()
+    try:
+        texts = ["the one at the bound", "the one kept behind it"]
+        refused = _post({"model": "fake", "input": "x"}, **{"X-Refuse": "1"})
+        stream = refused * (bound - 1) + b"".join(_post({"model": "fake", "input": t}) for t in texts)
+        before = _handled(srv)
+        reader, writer = await rawhttp.connect(srv.port)
+        try:
+            writer.write(stream)  # (one write, read in one go: far under a read's size)
+            answers = [await rawhttp.read_answer(reader, then_eof=False)
+                       for _ in range(bound - 1 + len(texts))]
+        finally:
+            writer.close()
+        assert [a.status for a in answers] == [429] * (bound - 1) + [200] * len(texts)
+        for text, answer in zip(texts, answers[bound - 1:], strict=True):
+            assert answer.json()["data"][0]["embedding"] == pytest.approx(runner.expected(text).tolist(),
+                                                                          abs=1e-6)
+        assert _handled(srv) == before, "all of them answered by the connection"
+    finally:
+        srv.stop()
