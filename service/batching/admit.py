@@ -94,6 +94,8 @@ LATE_AFTER = 0.5
 # (``test_a_standing_queue_promises_less_than_it_drops_at``).
 DOOR = 0.9
 
+_POSITIVE = (0.0).__lt__  # (filter's test of a number above 0: no bytecode per item)
+
 Reason = Literal["queue_full", "overloaded", "tenant_queue_full", "deadline_unmeetable", "too_large"]
 
 
@@ -295,10 +297,18 @@ class Admitter:
         first about ``first``) that the queue bounds or the regime would refuse. The counts are
         estimates, so callers err low; :meth:`admit` decides again on the real ones. One that passes
         is held (see the module's docstring) unless ``hold`` is False (a check made again later): its
-        :class:`Hold` (empty when nothing is held), which :meth:`admit` releases whole when given it."""
+        :class:`Hold` (empty when nothing is held), which :meth:`admit` releases whole when given it.
+        The regime is observed first, whatever waits (before, only with something ahead of the
+        request): a queue that keeps emptying with room for all that waits and is held
+        (:meth:`_burst_room`) then passes it unjudged."""
         refusal = self.check_room(tenant, 1, now)
         if refusal is None and self.on:
-            refusal = self._check_wait(first, total, inputs, tenant, weight, priority, now, arrived)
+            # A queue that keeps emptying with room for whatever waits and is held passes any newcomer:
+            # judged so, a request's check makes no fair-share walk and no wait prediction.
+            standing = self.regime.observe(now)
+            if standing or not self._burst_room(now):
+                refusal = self._check_wait(first, total, inputs, tenant, weight, priority, now, arrived,
+                                           standing=standing)
         if refusal is not None:
             self.regime.asked(total, now)  # it never reaches admit(), which counts the others
             return refusal
@@ -323,6 +333,13 @@ class Admitter:
         """Held tokens that a request of ``priority`` counts ahead of it, and the inputs they are: its
         class's and the more urgent ones' (a lower number), after dropping holds older than
         :data:`HOLD_S`."""
+        if not self._prune(now):
+            return 0, 0.0
+        tokens_by, inputs_by = self._held_tokens, self._held_inputs
+        return int(sum(tokens_by[: priority + 1])), max(sum(inputs_by[: priority + 1]), 0.0)
+
+    def _prune(self, now: float) -> bool:
+        """Drop the holds older than :data:`HOLD_S` and those ended, oldest first; whether any is left."""
         held, limit, tokens_by, inputs_by = self._held, now - HOLD_S, self._held_tokens, self._held_inputs
         while held and (held[0][0] < limit or held[0][1] <= 0):
             _, tokens, cls, size = held.popleft()
@@ -331,8 +348,8 @@ class Admitter:
         if not held:
             tokens_by[:] = [0.0] * len(tokens_by)  # (no rounding left behind)
             inputs_by[:] = [0.0] * len(inputs_by)
-            return 0, 0.0
-        return int(sum(tokens_by[: priority + 1])), max(sum(inputs_by[: priority + 1]), 0.0)
+            return False
+        return True
 
     def _held_before(self, priority: int, now: float, since: float) -> tuple[int, float]:
         """:meth:`_held_ahead`, of the holds taken before ``since`` only."""
@@ -361,13 +378,33 @@ class Admitter:
                 if left <= 0:
                     break
 
+    def _burst_room(self, now: float) -> bool:
+        """Whether a queue that keeps emptying admits any newcomer, whatever its class, tenant or size:
+        :meth:`wait_s` at its most — every queued and every held token ahead of it, as many inputs as
+        the queue and the holds are — within ``burst_wait_s``. Sound, not exact (False says only that
+        this bound fails: :meth:`_check_wait` judges; ``test_a_check_on_room_for_everything_waiting_is
+        _the_check_made_in_full``)."""
+        queue, coef, cfg = self._queue, self._cost.coef, self.config
+        if coef.overhead_s < 0 or coef.per_token_s < 0:
+            return False  # (predictions would not grow with what waits: no worst case to take)
+        tokens: float = queue.tokens
+        inputs: float = queue.items
+        if self._held and self._prune(now):  # (as _held_ahead would: what failed before admission goes)
+            tokens += sum(filter(_POSITIVE, self._held_tokens))
+            inputs += sum(filter(_POSITIVE, self._held_inputs))
+        run = (math.ceil(inputs / cfg.max_batch_size) * coef.overhead_s
+               + tokens * self._padding * coef.per_token_s) / self._side
+        return (self._busy_s(now) + run) * self._pace() <= cfg.burst_wait_s
+
     def _check_wait(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
         now: float, arrived: float | None, ahead: int | None = None, held: tuple[int, float] | None = None,
+        *, standing: bool | None = None,
     ) -> Refusal | None:
         """Refuse a request whose first input would start later than the regime admits, counting what
         it waited before admission. ``ahead``: ``tokens_ahead`` of its first input, and ``held``: the
-        held tokens before it and their inputs (:meth:`_held_ahead`), when known."""
+        held tokens before it and their inputs (:meth:`_held_ahead`), when known; ``standing``: the
+        regime observed at ``now``, when it was."""
         cfg = self.config
         if ahead is None:
             ahead = self._queue.tokens_ahead(tenant, weight, priority, first)
@@ -376,7 +413,8 @@ class Admitter:
             return None  # nothing waits before it: a running batch is no backlog, however slow
         elapsed = 0.0 if arrived is None else max(0.0, now - arrived)
         wait = self.wait_s(ahead, now, held_tokens, held_inputs)
-        standing = self.regime.observe(now)
+        if standing is None:
+            standing = self.regime.observe(now)
         # (The batch it rides in counts only against a standing queue's bound: not predicted otherwise.)
         verdict = judge_wait(standing, elapsed, wait, self.batch_s(first) if standing else 0.0, cfg)
         if verdict is None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from coalesce.service.batching.admit import Refusal
 from coalesce.service.batching.batcher import Batcher, RequestResult, Submission, Ticket
 from coalesce.service.batching.cache import ResultCache
 from coalesce.service.batching.cost import Coefficients, CostModel
@@ -25,7 +26,8 @@ from .test_batcher import Rig
 Request = tuple[list[int], str, float, int, float | None, float]
 
 
-def _scheduler(rng: random.Random, now: float) -> Scheduler:
+def _scheduler(rng: random.Random, now: float, burst_waits: tuple[float, ...] = (0.3, 1.0, 10.0)
+               ) -> Scheduler:
     """A scheduler in a random state: a queue of several tenants and classes, held prechecks, a busy
     model, a cost model, a regime standing or not, bounds near what is queued."""
     config = SchedulerConfig(
@@ -33,7 +35,7 @@ def _scheduler(rng: random.Random, now: float) -> Scheduler:
         max_queued_tokens=rng.choice([2_000, 20_000, 1 << 20]),
         tenant_max_queued_tokens=rng.choice([500, 5_000, 1 << 19]),
         max_queue_wait_s=rng.choice([0.0, 0.2, 0.5]),
-        burst_wait_s=rng.choice([0.3, 1.0, 10.0]),
+        burst_wait_s=rng.choice(burst_waits),
     )
     cost = CostModel(Coefficients(rng.uniform(1e-4, 1e-2), rng.uniform(1e-7, 2e-5)))
     sched = Scheduler(config, cost, lambda n, longest: n * longest)
@@ -281,3 +283,38 @@ async def test_one_input_requests_take_a_shortcut_to_the_outcome_of_the_general_
     assert short[1].keys() == general[1].keys()
     for tag, rows in general[1].items():
         assert np.array_equal(short[1][tag], rows) if isinstance(rows, np.ndarray) else short[1][tag] == rows
+
+
+def test_a_check_on_room_for_everything_waiting_is_the_check_made_in_full() -> None:
+    # Before tokenising, a queue that keeps emptying with room for everything that waits and is held
+    # passes a request without its fair-share walk and wait prediction (Admitter._burst_room). The same
+    # checks, made in full on a twin scheduler, give the same verdicts and leave the same holds.
+    taken = refused = 0
+    waits = (0.002, 0.01, 0.03, 0.1, 0.3)  # (bounds near what waits: the queue's forwards, the busy model)
+    for seed in range(600):
+        rng = random.Random(seed)
+        now = 1000.0
+        fast, full = _scheduler(random.Random(seed), now, waits), _scheduler(random.Random(seed), now, waits)
+        room = fast.admission._burst_room
+
+        def counted(at: float, room: Callable[[float], bool] = room) -> bool:
+            nonlocal taken
+            ok = room(at)
+            taken += ok
+            return ok
+
+        fast.admission._burst_room = counted  # type: ignore[method-assign]
+        full.admission._burst_room = lambda at: False  # type: ignore[method-assign]
+        for k in range(rng.randint(1, 30)):
+            args = (rng.randint(1, 60), rng.randint(1, 400), rng.choice([1, 1, 3]),
+                    rng.choice(["default", "a"]), rng.choice([1.0, 2.0]), rng.randint(0, 2),
+                    now - rng.uniform(0.0, 0.2), now + 0.01 * k)
+            a, b = fast.precheck(*args), full.precheck(*args)
+            assert type(a) is type(b), (seed, k)
+            if isinstance(a, Refusal):
+                refused += a.reason == "queue_full"  # (the burst's wait bound, or the queue's)
+                assert (a.reason, a.retry_after) == (b.reason, b.retry_after), (seed, k)
+            else:
+                assert list(a) == list(b), (seed, k)
+            assert list(map(list, fast.admission._held)) == list(map(list, full.admission._held)), (seed, k)
+    assert taken > 1000 and refused > 1000  # (both ways taken often enough to mean something)
