@@ -84,8 +84,10 @@ async def test_two_gateways_one_engine_answer_as_one_process(replica: Any, st_mo
             s.post(r.url + "/embed", json={"inputs": p}) for p in pairs
         ))
         batch_rows = [await resp.json() for resp in batch]
-    # The engine writes its batch series to the shared files a few times a second (BatchTally).
-    metrics = await until(r.url, "coalesce_inputs_total", 24 + 16, MODEL)
+    # The engine writes its batch series to the shared files a few times a second (BatchTally), and each
+    # gateway its answered requests (Metrics.request_done): a scrape reads another process's up to 50 ms late.
+    await until(r.url, "coalesce_inputs_total", 24 + 16, MODEL)
+    metrics = await until(r.url, "coalesce_requests_total", 24, route="/v1/embeddings", status="200")
     assert len(gateways) == 2, "both gateways must have served"
     want = st_model.encode(texts, normalize_embeddings=True)
     assert np.sum(np.asarray(rows) * want, axis=1).min() >= 0.99999
