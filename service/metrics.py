@@ -437,8 +437,8 @@ class Metrics:
         self._answered.append((route, status, seconds))
 
     def _in_turn(self) -> bool:
-        """Whether what is counted now is written when the running event loop's turn ends (False: no
-        loop runs; write it at once)."""
+        """Whether what is counted now is written later, on the running event loop, within
+        :data:`FLUSH_S` (False: no loop runs; write it at once)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop: at once
