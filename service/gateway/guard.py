@@ -334,12 +334,13 @@ class _GuardedHandler(RequestHandler):
                 if job is None:
                     self._resume_later = False
                     return messages[i:]
-                # Something to resume after its answer only if reading was paused for a body, or the
-                # parser stopped at its bound of messages in flight (those parsed now, as nothing was in
-                # progress), keeping the rest unparsed: else nothing was paused, nothing is kept.
+                # Something to resume after its answer only if reading was paused for a body (and its read
+                # asked to resume), or the parser stopped at its bound of messages in flight (those parsed
+                # now, as nothing was in progress), keeping the rest unparsed — whether or not anything
+                # asked: else nothing was paused, nothing is kept.
                 bound = getattr(self, "_max_msg_queue_size", 0)  # (3.14's parser's bound; none before)
-                self._resume_later = self._resume_later and (
-                    self._reading_paused or (bool(bound) and len(messages) >= bound))
+                self._resume_later = (self._resume_later and self._reading_paused) or (
+                    bool(bound) and len(messages) >= bound)
                 consumed()
                 self._answered += 1
                 self._keepalive = False  # (no keep-alive close while it is answered: see _taken_done)
