@@ -412,7 +412,7 @@ class Metrics:
         ``started``. On an event loop the starts and ends are written together with the answered requests
         (:meth:`request_done`), as their net change: one locked write or none a flush, not two a request
         (under ``--workers``, each a write to the gauge's shared file)."""
-        if self._in_turn():
+        if self._deferred():
             self._in_flight += 1
         else:
             self.inflight.inc()
@@ -427,7 +427,7 @@ class Metrics:
         one locked write per series and bucket per flush instead of three or four per request. (Written
         at each turn's end, as they were, the histogram's buckets were still a write each per turn: a
         request's most costly metric on a saturated gateway, of a few requests a turn.)"""
-        if not self._in_turn():
+        if not self._deferred():
             if started:
                 self.inflight.dec()
             self._count_answered([(route, status, seconds)])
@@ -436,7 +436,7 @@ class Metrics:
             self._in_flight -= 1
         self._answered.append((route, status, seconds))
 
-    def _in_turn(self) -> bool:
+    def _deferred(self) -> bool:
         """Whether what is counted now is written later, on the running event loop, within
         :data:`FLUSH_S` (False: no loop runs; write it at once)."""
         try:

@@ -380,21 +380,18 @@ class Admitter:
 
     def _burst_room(self, now: float) -> bool:
         """Whether a queue that keeps emptying admits any newcomer, whatever its class, tenant or size:
-        :meth:`wait_s` at its most — every queued and every held token ahead of it, as many inputs as
-        the queue and the holds are — within ``burst_wait_s``. Sound, not exact (False says only that
-        this bound fails: :meth:`_check_wait` judges; ``test_a_check_on_room_for_everything_waiting_is
-        _the_check_made_in_full``)."""
-        queue, coef, cfg = self._queue, self._cost.coef, self.config
+        :meth:`wait_s` at its most — every queued and every held token ahead of it (the queue's tokens
+        count as all its inputs there), every held input — within ``burst_wait_s``. Sound, not exact
+        (False says only that this bound fails: :meth:`_check_wait` judges;
+        ``test_a_check_on_room_for_everything_waiting_is_the_check_made_in_full``)."""
+        coef = self._cost.coef
         if coef.overhead_s < 0 or coef.per_token_s < 0:
             return False  # (predictions would not grow with what waits: no worst case to take)
-        tokens: float = queue.tokens
-        inputs: float = queue.items
+        held_tokens = held_inputs = 0.0
         if self._held and self._prune(now):  # (as _held_ahead would: what failed before admission goes)
-            tokens += sum(filter(_POSITIVE, self._held_tokens))
-            inputs += sum(filter(_POSITIVE, self._held_inputs))
-        run = (math.ceil(inputs / cfg.max_batch_size) * coef.overhead_s
-               + tokens * self._padding * coef.per_token_s) / self._side
-        return (self._busy_s(now) + run) * self._pace() <= cfg.burst_wait_s
+            held_tokens = sum(filter(_POSITIVE, self._held_tokens))
+            held_inputs = sum(filter(_POSITIVE, self._held_inputs))
+        return self.wait_s(self._queue.tokens, now, held_tokens, held_inputs) <= self.config.burst_wait_s
 
     def _check_wait(
         self, first: int, total: int, inputs: int, tenant: str, weight: float, priority: int,
@@ -557,7 +554,8 @@ class Admitter:
         if tokens > 0:
             self._padding += 0.1 * (padded / tokens - self._padding)
 
-    def wait_s(self, ahead_tokens: int, now: float, held_tokens: int = 0, held_inputs: float = 0.0) -> float:
+    def wait_s(self, ahead_tokens: int, now: float, held_tokens: float = 0.0, held_inputs: float = 0.0
+               ) -> float:
         """Predicted seconds until ``ahead_tokens`` waiting tokens (``FairQueue.tokens_ahead``) and
         ``held_tokens`` held ones, ``held_inputs`` inputs, have run, after the batches already running.
 
