@@ -219,6 +219,7 @@ class BatchOutput:
     rows: np.ndarray  # float32, in batch order: a row per input (pooled) or per token (tokens)
     prepare_s: float
     forward_s: float  # forward + finish on the device thread
+    threads: int = 0  # the threads its CPU forward ran on, where a LoopShare sets them (else 0)
 
 
 class LoopShare:
@@ -276,6 +277,9 @@ class LoopShare:
         self._start, self._start_cpu = clock(), self._spent()
         self._applied = cores
         self._above = 0  # whole windows in a row the loop was busy more than ``above``
+        self._judged = cores  # what the busy share says (threads: at most that and :attr:`cap`)
+        self.cap = cores  # the most the forward's measured speed allows (:meth:`limit`)
+        self._probe = 0  # the next forward's count instead of :attr:`threads`, once (:meth:`probe`)
         self.on_change: Callable[[int], object] | None = None
 
     def on_loop(self) -> None:
@@ -288,7 +292,23 @@ class LoopShare:
         self.busy = (cpu - self._start_cpu) / elapsed
         self._start, self._start_cpu = now, cpu
         self._above = self._above + 1 if self.busy > self.above else 0
-        threads = self.cores - 1 if self._above >= self.ABOVE_WINDOWS else self.cores
+        self._judged = self.cores - 1 if self._above >= self.ABOVE_WINDOWS else self.cores
+        self._settle()
+
+    def limit(self, cap: int) -> None:
+        """The event loop: the forward's measured speed allows at most ``cap`` threads (the service's
+        ``engine/threads.py`` measures it: a forward on every core whose cores are not all free runs
+        slower than on fewer)."""
+        self.cap = max(1, min(cap, self.cores))
+        self._settle()
+
+    def probe(self, threads: int) -> None:
+        """The event loop: run the next forward handed to the device thread on ``threads``, once, whatever
+        :attr:`threads` says (a measurement; a batch's :attr:`BatchOutput.threads` says what it ran on)."""
+        self._probe = threads
+
+    def _settle(self) -> None:
+        threads = min(self._judged, self.cap)
         if threads != self.threads:
             self.threads = threads
             if self.on_change is not None:
@@ -298,12 +318,15 @@ class LoopShare:
         """The device thread, after each forward (counted when the forward's share is judged)."""
         self._forward_s += seconds
 
-    def on_device(self) -> None:
-        """The device thread, before a forward: run it on :attr:`threads`."""
-        threads = self.threads
+    def on_device(self) -> int:
+        """The device thread, before a forward: run it on :attr:`threads` (or once on a probe's count);
+        that count."""
+        threads = self._probe or self.threads
+        self._probe = 0
         if threads != self._applied:
             self._set_threads(threads)
             self._applied = threads
+        return threads
 
 
 def _cpu_torch(device: object) -> Any:
@@ -427,13 +450,12 @@ class ModelWorker:
 
     def _forward_output(self, prepared: object, kind: OutputKind, prepare_s: float) -> BatchOutput:
         # Device thread only.
-        rows, forward_s = self._forward(prepared, kind)
-        return BatchOutput(rows=rows, prepare_s=prepare_s, forward_s=forward_s)
+        rows, forward_s, threads = self._forward(prepared, kind)
+        return BatchOutput(rows=rows, prepare_s=prepare_s, forward_s=forward_s, threads=threads)
 
-    def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float]:
+    def _forward(self, prepared: object, kind: OutputKind) -> tuple[np.ndarray, float, int]:
         # Device thread only.
-        if self.share is not None:
-            self.share.on_device()
+        threads = self.share.on_device() if self.share is not None else 0
         t0 = time.perf_counter()
         if kind is OutputKind.TOKENS:
             if not self.runner.info.token_embeddings:
@@ -447,14 +469,15 @@ class ModelWorker:
         seconds = time.perf_counter() - t0
         if self.share is not None:
             self.share.forwarded(seconds)
-        return rows, seconds
+        return rows, seconds, threads
 
     def _prepare_and_forward(self, batch: Sequence[Sequence[int]], kind: OutputKind) -> BatchOutput:
         # Device thread only.
         t0 = time.perf_counter()
         prepared = self.runner.prepare(batch)
-        rows, forward_s = self._forward(prepared, kind)
-        return BatchOutput(rows=rows, prepare_s=time.perf_counter() - t0 - forward_s, forward_s=forward_s)
+        rows, forward_s, threads = self._forward(prepared, kind)
+        return BatchOutput(rows=rows, prepare_s=time.perf_counter() - t0 - forward_s, forward_s=forward_s,
+                           threads=threads)
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()

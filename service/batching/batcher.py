@@ -32,6 +32,7 @@ from ..errors import CoalesceError, DeadlineExceeded, InferenceFailed, InvalidRe
 from ..logs import get_logger
 from ..metrics import BatchTally, Metrics
 from .cache import ResultCache
+from .cost import CostModel
 from .policy import padding_ratio
 from .scheduler import DEFAULT_TENANT, PRIORITIES, Dispatch, Entry, Hold, Refusal, Scheduler, Wait
 
@@ -42,6 +43,7 @@ class Output(Protocol):
     rows: np.ndarray
     prepare_s: float
     forward_s: float
+    threads: int  # what its CPU forward ran on, where the engine sets that (else 0)
 
 
 class Engine(Protocol):
@@ -253,8 +255,12 @@ class Batcher:
         cache: ResultCache | None = None,
         device: str = "",
         shape: Callable[[int, int], tuple[int, int]] | None = None,
+        on_forward: Callable[[CostModel, int, int, float], None] | None = None,
     ) -> None:
         self._engine = engine
+        # Told of every batch that ran: (the cost model that observed it, the threads its CPU forward ran
+        # on, its padded tokens, its seconds): the engine's thread chooser (engine/threads.py).
+        self._on_forward = on_forward
         self.model = model
         # For the batch spans: where the model runs, and the (rows, cols) a batch of n sequences of at
         # most m tokens is padded to (a CUDA graph cell); n × m for runners that do not say.
@@ -751,6 +757,7 @@ class Batcher:
                     tracer: tracing.Tracer | None, span: Any, out: Output | Exception) -> None:
         m, model = self._series, self.model
         seconds: float | None = None
+        threads = 0
         try:
             if isinstance(out, Exception):
                 raise out
@@ -770,7 +777,7 @@ class Batcher:
                 ),
             )
         else:
-            seconds = out.forward_s
+            seconds, threads = out.forward_s, out.threads
             rows, cache, inflight = out.rows, self._cache, self._inflight
             if rows.dtype != _F32 or not rows.flags.c_contiguous:  # (once a batch, for every answer)
                 rows = np.ascontiguousarray(rows, dtype=np.float32)
@@ -790,7 +797,10 @@ class Batcher:
                 if seconds is not None:
                     span.set_attribute("coalesce.forward_ms", round(seconds * 1e3, 3))
                 span.end()
-            self.scheduler.done(padded, seconds, time.monotonic())
+            sched = self.scheduler
+            sched.done(padded, seconds, time.monotonic(), threads)
+            if threads and seconds is not None and self._on_forward is not None:
+                self._on_forward(sched.cost, threads, padded, seconds)
             self._wake.set()
 
     def _batch_span(self, tracer: tracing.Tracer, batch: list[_Work], padded: int, start: float) -> Any:

@@ -68,9 +68,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat
 from operator import add, mul, sub, truediv
+from typing import Any
 
 # A refit waits for this many seconds of forward time since the last one (the module's docstring): its
 # ~30 µs are then at most 1% of the forward's own time.
@@ -108,29 +110,103 @@ class Coefficients:
         return self.overhead_s + self.per_token_s * padded_tokens
 
 
+# What each setting of a cost model keeps of its own (CostModel.use).
+_STATE = ("fit", "coef", "pace", "_recent_x", "_recent_y", "_x", "_y", "_next", "_since_refit",
+          "observations", "restarts", "spread", "run_spread")
+
+
 class CostModel:
     """Online robust fit of batch time against padded tokens, scaled by the recent pace."""
 
     def __init__(self, prior: Coefficients | None = None, window: int = 128) -> None:
+        self._window = window
+        self._refit_every = max(1, window // 16)
         # A prior keeps predictions sane before any batch ran: 5 ms + 50 µs/token is a slow CPU.
-        self.fit = prior or Coefficients(overhead_s=0.005, per_token_s=5e-5)
-        self.coef = self.fit  # the fit at the pace: what a forward is predicted to take now
+        self._start(prior or Coefficients(overhead_s=0.005, per_token_s=5e-5))
+        # The setting forwards run at (:meth:`use`: a CPU forward's thread count), and the state of each
+        # other setting seen, kept whole for when forwards run at it again.
+        self.setting: Hashable = None
+        self._settings: dict[Hashable, dict[str, Any]] = {}
+
+    def _start(self, fit: Coefficients) -> None:
+        """A state with nothing observed, predicting ``fit`` (every field of :data:`_STATE`)."""
+        self.fit = fit
+        self.coef = fit  # the fit at the pace: what a forward is predicted to take now
         self.pace = 1.0
         # The recent batches' padded tokens and seconds (the pace's).
         self._recent_x: deque[float] = deque(maxlen=PACE_SPAN)
         self._recent_y: deque[float] = deque(maxlen=PACE_SPAN)
-        self._window = window
         self._x: list[float] = []  # padded tokens of the last `window` batches (a ring once full)
         self._y: list[float] = []  # their seconds
         self._next = 0
-        self._refit_every = max(1, window // 16)
         self._since_refit = (0, 0.0)  # batches and forward seconds observed since the last refit
         self.observations = 0
         self.restarts = 0  # times the fit started again from the recent batches (a lasting change)
         self.spread = 1.0  # how far past the typical forward the slow ones run (the module's docstring)
         self.run_spread = 1.0  # and RUN_SPAN forwards in a row
 
-    def observe(self, padded_tokens: int, seconds: float) -> None:
+    # -- settings ------------------------------------------------------------------------------------
+    def use(self, setting: Hashable, scale: float = 1.0) -> None:
+        """Forwards run at ``setting`` from now on (a CPU forward's thread count: ``engine/threads.py``): the
+        fit, pace, spreads and window of each setting are its own, since a forward on one thread and on
+        two are two machines. Coming back to a setting takes up its state as it was left; a setting not
+        seen yet starts from the current fit times ``scale`` (the caller's guess, until its own batches
+        refit it: one batch rescales it, two fit it), with nothing else carried over.
+
+        Why: the engine's forward leaves the event loop or the gateways a thread under load (``LoopShare``).
+        When it did, the fit measured on two threads went on predicting forwards on one: with a busy core
+        beside it, the two-thread seeds of a ``--workers 2`` engine ran 150 times slower than one-thread
+        forwards did, and the first burst after start was refused at the burst bound, 20 s predicted for a
+        queue that drained in 2."""
+        if setting == self.setting:
+            return
+        if self.setting is None:  # (the first: what was observed so far ran at it)
+            self.setting = setting
+            return
+        self._settings[self.setting] = self._state()
+        saved = self._settings.pop(setting, None)
+        if saved is None:
+            self._start(Coefficients(self.fit.overhead_s * scale, self.fit.per_token_s * scale))
+        else:
+            for name, value in saved.items():
+                setattr(self, name, value)
+        self.setting = setting
+
+    def predict_at(self, setting: Hashable, padded_tokens: int) -> float | None:
+        """What a forward of ``padded_tokens`` is predicted to take at ``setting``: the current one's
+        prediction, another's as its state was left, None for one never used."""
+        if setting == self.setting:
+            return self.coef.predict(padded_tokens)
+        saved = self._settings.get(setting)
+        return None if saved is None else saved["coef"].predict(padded_tokens)
+
+    def _state(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _STATE}
+
+    def _observe_at(self, setting: Hashable, padded_tokens: int, seconds: float) -> None:
+        current, was = self._state(), self.setting
+        saved = self._settings.pop(setting, None)
+        if saved is None:
+            self._start(self.fit)  # (a setting first seen in a batch: the current fit its prior)
+        else:
+            for name, value in saved.items():
+                setattr(self, name, value)
+        self.setting = setting
+        try:
+            self.observe(padded_tokens, seconds)
+        finally:
+            self._settings[setting] = self._state()
+            for name, value in current.items():
+                setattr(self, name, value)
+            self.setting = was
+
+    def observe(self, padded_tokens: int, seconds: float, setting: Hashable = None) -> None:
+        """A forward of ``padded_tokens`` took ``seconds``; at ``setting`` when given (a batch that ran at
+        another setting than the current one — handed over before a change, or a measurement of the
+        other — teaches that setting's state, not this one's)."""
+        if setting is not None and setting != self.setting:
+            self._observe_at(setting, padded_tokens, seconds)
+            return
         if seconds <= 0 or padded_tokens <= 0:
             return
         if self.observations >= PACE_AFTER:

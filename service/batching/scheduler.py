@@ -437,12 +437,13 @@ class Scheduler:
                 return [e, *window[:i], *window[i + 1 :]], True
         return window, False
 
-    def done(self, padded_tokens: int, seconds: float | None, now: float) -> None:
-        """A dispatched batch finished (``seconds`` None if it failed)."""
+    def done(self, padded_tokens: int, seconds: float | None, now: float, threads: int = 0) -> None:
+        """A dispatched batch finished (``seconds`` None if it failed), its CPU forward on ``threads``
+        where the engine sets them (its cost model's setting: :meth:`.cost.CostModel.use`)."""
         self.inflight -= 1
         self.admission.drained(seconds, now, self._queue.items > 0)
         if seconds is not None:
-            self.cost.observe(padded_tokens, seconds)
+            self.cost.observe(padded_tokens, seconds, threads or None)
         if self.inflight == 0:
             self.busy_until = now
 

@@ -20,6 +20,7 @@ import numpy as np
 from coalesce.kernels.calibration import corpus_batches
 from coalesce.kernels.protocol import CalibratedRunner, ModelInfo, Runner, Task
 from coalesce.kernels.worker import (
+    BatchOutput,
     DeviceThread,
     LoopShare,
     ModelWorker,
@@ -38,6 +39,7 @@ from ..logs import get_logger
 from ..metrics import Metrics
 from ..settings import ModelSpec, Settings
 from . import preload
+from .threads import ThreadChooser, chooser
 
 log = get_logger("coalesce.engine")
 
@@ -73,6 +75,10 @@ class Engine:
         # The forward's CPU threads against the event loop's busy share: one for the device thread, which
         # every model's forwards share (made with the first torch CPU model).
         self.share: LoopShare | None = None
+        # And what caps that count while a forward on every core runs slower than on one fewer (a core
+        # busy with something else: threads.py), with the cost models of the forwards it counts.
+        self.chooser: ThreadChooser | None = None
+        self._costs: list[CostModel] = []
         self._closed = False
 
     async def load(self) -> None:
@@ -100,9 +106,13 @@ class Engine:
                 if self.share is not None:
                     self.share.on_change = self._forward_threads
                     metrics.forward_threads.set(self.share.threads)
-            worker = ModelWorker(runner, self.device, overlap=depth > 1 and forwards == 1,
-                                 share=self.share if str(runner.device) == "cpu" else None)
+                    self.chooser = chooser(self.share)
+            share = self.share if str(runner.device) == "cpu" else None
+            worker = ModelWorker(runner, self.device, overlap=depth > 1 and forwards == 1, share=share)
             cost = CostModel()
+            if share is not None:
+                cost.use(share.threads)  # (a fit per thread count: the count can change under it)
+                self._costs.append(cost)
             # A runner preloaded while the server imported itself comes warmed up, with the seed batches'
             # timings (preload.py): load_s and warmup_s below are then only what the engine waited for
             # and ran after those imports.
@@ -110,7 +120,9 @@ class Engine:
             preloaded = seeds is not None
             if seeds is None:
                 await worker.warmup()
-                await _seed_cost(worker, runner, cost)
+                seeded = await _seed_cost(worker, runner, cost)
+                if share is not None and self.chooser is not None:
+                    await _seed_fewer(worker, runner, cost, share, self.chooser, seeded)
             else:
                 for padded, seconds in seeds:
                     cost.observe(padded, seconds)
@@ -124,6 +136,7 @@ class Engine:
             batcher = Batcher(
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
                 device=str(runner.device), shape=getattr(runner, "padded_shape", None),
+                on_forward=self.chooser.forwarded if share is not None and self.chooser is not None else None,
             )
             batcher.start()
             self.models.append(EngineModel(runner, worker, batcher, calibration))
@@ -151,6 +164,9 @@ class Engine:
         # (The loop's busy share crossed --loop-core-share: at most once a second.) Logged in a context
         # of its own: the batch that noticed may start in a request's, whose id is no part of this.
         assert self.share is not None
+        for cost in self._costs:
+            # (A count not seen yet is guessed from this one's fit, as if the forward scaled with threads.)
+            cost.use(threads, scale=cost.setting / threads if isinstance(cost.setting, int) else 1.0)
         self._metrics.forward_threads.set(threads)
         contextvars.Context().run(log.info, "forward_threads", threads=threads, of=self.share.cores,
                                   loop_busy=round(self.share.busy, 2))
@@ -229,14 +245,32 @@ def scheduler_config(settings: Settings, max_tokens: int, depth: int, forwards: 
     )
 
 
-async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> None:
+async def _seed_cost(worker: ModelWorker, runner: Runner, cost: CostModel) -> list[tuple[int, BatchOutput]]:
     """Seed the cost model with a small and a larger batch (``preload.SEED_BATCHES``), so first
     decisions rest on measurements. The larger is 4 × 64 (15× the padded tokens of the small one, enough
     to separate overhead from per-token cost): 8 × 64 made every CPU cold start tens of milliseconds
-    longer, and real batches refit the model anyway."""
+    longer, and real batches refit the model anyway. Each seed's padded tokens and output."""
+    seeds = []
     for batch in preload.seed_batches(runner):
         out = await worker.run(batch)
-        cost.observe(runner.padded_cost(len(batch), len(batch[0])), out.forward_s)
+        seeds.append((runner.padded_cost(len(batch), len(batch[0])), out))
+        cost.observe(seeds[-1][0], out.forward_s, out.threads or None)
+    return seeds
+
+
+async def _seed_fewer(worker: ModelWorker, runner: Runner, cost: CostModel, share: LoopShare,
+                      chooser: ThreadChooser, seeds: list[tuple[int, BatchOutput]]) -> None:
+    """Seed the cost model's fit on one thread fewer too (each seed a probe at that count: two small
+    forwards more at start), then judge ``seeds``, run before on every core, against it as the chooser
+    judges batches (``threads.py``): a forward that starts beside a busy core starts on fewer threads,
+    and its first burst is admitted on the fit of the count it runs at."""
+    for batch in preload.seed_batches(runner):
+        share.probe(chooser.fewer)
+        out = await worker.run(batch)
+        cost.observe(runner.padded_cost(len(batch), len(batch[0])), out.forward_s, out.threads or None)
+    for padded, out in seeds:
+        if out.threads == chooser.all:
+            chooser.forwarded(cost, out.threads, padded, out.forward_s)
 
 
 async def _embed_corpus(worker: ModelWorker, runner: Runner) -> np.ndarray:

@@ -220,3 +220,39 @@ def test_least_squares_is_the_closed_form_with_exactly_rounded_sums_to_the_last_
             continue
         b = math.fsum([d * (yi - my) for d, yi in zip(dx, y, strict=True)]) / sxx
         assert least_squares(x, y) == (my - b * mx, b)
+
+
+# -- a fit per setting (a CPU forward's thread count: engine/threads.py) ---------------------------------
+def test_each_thread_count_keeps_a_fit_of_its_own_and_a_change_takes_up_the_count_s() -> None:
+    model = CostModel()
+    model.use(2)
+    for t in (18, 264):  # two-thread seeds beside a busy core: a hundred times what one thread takes
+        model.observe(t, 0.3 + 2e-3 * t)
+    model.observe(18, 0.004, 1)  # one thread fewer, as the engine seeds it: a batch of that count
+    model.observe(264, 0.03, 1)
+    assert model.predict(264) == pytest.approx(0.3 + 2e-3 * 264), "the count in use predicts"
+    assert model.predict_at(1, 264) == pytest.approx(0.03)
+    model.use(1)  # LoopShare leaves a thread: a burst is now judged on the one-thread fit
+    assert model.predict(264) == pytest.approx(0.03) and model.setting == 1
+    assert model.predict_at(2, 264) == pytest.approx(0.3 + 2e-3 * 264), "the other count's, as left"
+    model.observe(264, 0.04, 2)  # a batch handed over before the change ran on two threads
+    assert model.predict(264) == pytest.approx(0.03), "it taught its own count's fit, not this one's"
+    model.use(2)
+    assert model.predict(264) != pytest.approx(0.3 + 2e-3 * 264), "which it moved"
+    assert model.predict_at(3, 100) is None, "a count never used predicts nothing"
+
+
+def test_a_count_not_seen_yet_starts_from_the_guess_and_its_first_batches_fit_it() -> None:
+    model = CostModel()
+    for t in (100, 1000):
+        model.observe(t, 0.001 + 1e-5 * t)
+    model.use(4)  # (the first setting names what ran so far)
+    assert model.predict(1000) == pytest.approx(0.011)
+    model.use(2, scale=2.0)  # half the threads: guessed twice as slow
+    assert model.predict(1000) == pytest.approx(0.022)
+    model.observe(1000, 0.015)
+    assert model.predict(1000) == pytest.approx(0.015), "one batch rescales it"
+    model.observe(100, 0.003)
+    assert model.predict(100) == pytest.approx(0.003) and model.predict(1000) == pytest.approx(0.015)
+    model.use(4)
+    assert model.predict(1000) == pytest.approx(0.011), "the other count's state came back whole"

@@ -243,6 +243,10 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
             return metrics.registry.get_sample_value("coalesce_forward_threads")
 
         assert threads() == 4
+        # Each model's cost model was seeded on one thread fewer too (engine/threads.py): its seeds ran
+        # there and the count came back for the next forward.
+        assert set_threads == [3, 4, 3, 4]
+        del set_threads[:]
         clocks.spend(1.0, busy=0.7)
         await engine.models[0].worker.run([[1, 5, 2]])
         clocks.spend(1.0, busy=0.7)

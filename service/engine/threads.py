@@ -1,0 +1,115 @@
+"""The CPU forward's thread count, measured: on every core, or on one fewer when that runs faster.
+
+torch runs each operator of a CPU forward on OpenMP threads, one per core, and an operator ends when its
+slowest thread does. When something else keeps one of those cores busy — a neighbour on a shared host,
+the gateway processes of ``--workers``, a build — the thread on that core runs only in the time slices
+the kernel gives it, and every operator of the forward waits for it. On 2 cores with one busy, a lone
+one-sentence request to a ``--workers 2`` engine (one forward on both threads) took 220 ms at the median
+against 11 ms with the core free, and one process's forward on both threads 116 ms, while one thread
+alone ran it in a few milliseconds (BENCHMARKS.md, issue 25: the busy neighbour). ``LoopShare`` (kernels/
+worker.py) judges the service's own load — the event loop's busy share, or the engine's forward's — and
+leaves them a thread under it; it cannot see a neighbour, and at a light load it gives the thread back.
+This module watches the forward itself.
+
+Each model's cost model keeps a fit per thread count (:meth:`.CostModel.use`), both seeded at start
+(``core.Engine.load``). :class:`ThreadChooser` reads every batch's forward against them:
+
+* on every core, a batch that took more than :data:`SLOWER` times what the same batch is predicted to
+  take on one thread fewer counts; :data:`SLOW_BATCHES` in a row cap the forward at one thread fewer
+  (a single slow batch — a collection, a page fault — is not a busy core);
+* capped, a probe: one batch now and then runs on every core (``LoopShare.probe``), first
+  :data:`PROBE_FIRST_S` after the cap, then twice as long after each probe that ran slower than the
+  fewer threads are predicted to run it, up to :data:`PROBE_MAX_S`. A probe that ran no slower lifts
+  the cap: the core is free again. While the neighbour stays, one batch in :data:`PROBE_MAX_S` is the
+  slow one.
+
+On a free machine a forward on every core runs faster than on one fewer (on 2 cores about 0.55× the
+time), far from :data:`SLOWER`, so the cap never comes; with a core busy the slow forward runs many times
+slower (20–35× above), far past it. Event loop only; pure but for the clock it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from ..batching.cost import CostModel
+
+SLOWER = 1.5
+SLOW_BATCHES = 2
+PROBE_FIRST_S = 1.0
+PROBE_MAX_S = 30.0
+GROWN = 4
+
+
+class Share(Protocol):
+    """What the chooser drives (``kernels.worker.LoopShare`` fits)."""
+
+    cores: int
+    cap: int
+
+    def limit(self, cap: int) -> None: ...
+
+    def probe(self, threads: int) -> None: ...
+
+
+class ThreadChooser:
+    """Caps a CPU forward at one thread fewer while that runs faster (the module's docstring)."""
+
+    def __init__(self, share: Share, clock: Callable[[], float] = time.monotonic) -> None:
+        self.share = share
+        self.all = share.cores
+        self.fewer = share.cores - 1
+        self._clock = clock
+        self._slow = 0  # batches on every core in a row that ran past SLOWER × the fewer threads'
+        self._probe_every = PROBE_FIRST_S
+        self._probe_at = 0.0
+        self._probed = False  # a probe is asked for and its batch not yet seen
+        self._lost = 0  # the padded tokens of the batch that last lost on every core
+
+    @property
+    def capped(self) -> bool:
+        return self.share.cap < self.all
+
+    def forwarded(self, cost: CostModel, threads: int, padded: int, seconds: float) -> None:
+        """A batch of ``padded`` tokens ran on ``threads`` in ``seconds`` (``cost``: its model's, which has
+        observed it); after it, the next batch may be a probe."""
+        fewer = cost.predict_at(self.fewer, padded)
+        if threads == self.all and fewer is not None:
+            if self.capped:  # the probe's batch
+                self._probed = False
+                if seconds <= fewer:
+                    self._slow = 0
+                    self.share.limit(self.all)
+                    return
+                self._probe_every = min(2 * self._probe_every, PROBE_MAX_S)
+                self._probe_at = self._clock() + self._probe_every
+                self._lost = padded
+            elif seconds > SLOWER * fewer:
+                self._slow += 1
+                if self._slow >= SLOW_BATCHES:
+                    self._slow = 0
+                    self._probe_every = PROBE_FIRST_S
+                    self._probe_at = self._clock() + PROBE_FIRST_S
+                    self._lost = padded
+                    self.share.limit(self.fewer)
+            else:
+                self._slow = 0
+        elif self._probed:  # (the probe's batch failed: it is asked for again in time)
+            self._probed = False
+            self._probe_at = self._clock() + self._probe_every
+        elif self.capped and padded > GROWN * self._lost:
+            # Batches far larger than the one that lost: more threads may pay now (a tiny forward on every
+            # core can lose to one thread fewer with every core free). Probe at once, and soon again.
+            self._probe_every = PROBE_FIRST_S
+            self._probe_at = 0.0
+        if self.capped and not self._probed and self._clock() >= self._probe_at:
+            self._probed = True
+            self.share.probe(self.all)
+
+
+def chooser(share: object) -> ThreadChooser | None:
+    """The chooser for a ``LoopShare`` of a forward on more than one thread (else None)."""
+    cores = getattr(share, "cores", 0)
+    return ThreadChooser(share) if cores > 1 else None  # type: ignore[arg-type]
