@@ -1,6 +1,7 @@
 """A busy neighbour: what one core kept busy by another program does to a CPU forward on every core.
 
     python -m coalesce.loadtests.neighbour [--baseline-site DIR] [--rounds 2] [--lone 30] [--out DIR]
+                                           [--servers "NAME;NAME"]
 
 Each server below is started fresh with one core kept busy by a process that spins (the neighbour,
 started before the server, so it is there through its start as a neighbour on a shared host is), and
@@ -129,13 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--lone", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path("bench-out/neighbour"))
-    p.add_argument("--servers", default=",".join(SERVERS), help="which of: " + ", ".join(SERVERS))
+    p.add_argument("--servers", default=";".join(SERVERS),
+                   help="which, separated by ';', of: " + "; ".join(SERVERS))
     args = p.parse_args(argv)
     codes: dict[str, dict[str, str]] = {"current": {}}
     if args.baseline_site is not None:
         path = os.environ.get("PYTHONPATH")
         codes["baseline"] = {"PYTHONPATH": f"{args.baseline_site}{':' + path if path else ''}"}
-    names = [n.strip() for n in args.servers.split(",")]
+    names = [n.strip() for n in args.servers.split(";")]
     cells = [(busy, name, code) for busy in ("busy", "free") for name in names for code in codes]
 
     def run(cell: tuple[str, str, str], r: int) -> dict[str, Any]:
