@@ -250,6 +250,11 @@ class LoopShare:
     the loop busy window after window. Giving back at once costs nothing: the forward runs on every
     core, as it does at any lighter load.
 
+    The service may hold the count lower still (:meth:`limit`: the forward's own measured speed, which a
+    core busy with another program slows however light the load — ``service/engine/threads.py``), and
+    run one forward on another count to measure it (:meth:`probe`); a batch's :attr:`BatchOutput.threads`
+    says what it ran on.
+
     With ``judge_forward`` (the engine process of ``--workers N``) the share judged is the forward's own:
     seconds of forwards per second, as :meth:`forwarded` adds them. The requests are read, tokenised and
     answered by the gateway processes there, so the engine's loop is never busy; but each request and
