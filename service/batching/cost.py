@@ -153,11 +153,12 @@ class CostModel:
         seen yet starts from the current fit times ``scale`` (the caller's guess, until its own batches
         refit it: one batch rescales it, two fit it), with nothing else carried over.
 
-        Why: the engine's forward leaves the event loop or the gateways a thread under load (``LoopShare``).
-        When it did, the fit measured on two threads went on predicting forwards on one: with a busy core
-        beside it, the two-thread seeds of a ``--workers 2`` engine ran 150 times slower than one-thread
-        forwards did, and the first burst after start was refused at the burst bound, 20 s predicted for a
-        queue that drained in 2."""
+        Why: the forward's thread count changes under load (``LoopShare`` leaves the event loop or the
+        gateways a thread) and beside a busy core (``engine/threads.py``). When it did, the fit measured on
+        two threads went on predicting forwards on one: beside a busy core the two-thread seeds of a
+        ``--workers 2`` engine ran many times slower than its one-thread forwards, and an idle burst of
+        120 requests after start was refused in part at the 20 s burst bound (BENCHMARKS.md, issue 25:
+        the neighbour bench)."""
         if setting == self.setting:
             return
         if self.setting is None:  # (the first: what was observed so far ran at it)

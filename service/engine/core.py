@@ -161,8 +161,9 @@ class Engine:
         self.record_capture()
 
     def _forward_threads(self, threads: int) -> None:
-        # (The loop's busy share crossed --loop-core-share: at most once a second.) Logged in a context
-        # of its own: the batch that noticed may start in a request's, whose id is no part of this.
+        # (The loop's busy share crossed --loop-core-share, at most once a second, or the thread chooser
+        # capped or freed the count.) Logged in a context of its own: the batch that noticed may start in
+        # a request's, whose id is no part of this.
         assert self.share is not None
         for cost in self._costs:
             # (A count not seen yet is guessed from this one's fit, as if the forward scaled with threads.)
