@@ -170,7 +170,7 @@ class Engine:
             cost.use(threads, scale=cost.setting / threads if isinstance(cost.setting, int) else 1.0)
         self._metrics.forward_threads.set(threads)
         contextvars.Context().run(log.info, "forward_threads", threads=threads, of=self.share.cores,
-                                  loop_busy=round(self.share.busy, 2))
+                                  loop_busy=round(self.share.busy, 2), cap=self.share.cap)
 
     def record_capture(self) -> None:
         """Graph runners' capture statistics into the gauges (after loading, and then periodically)."""
