@@ -261,7 +261,9 @@ class Settings:
         "process judges its forward's own busy share instead: the gateways do the requests' work in "
         "their processes, and their wake-ups take the forward's threads off their cores while the "
         "replica is saturated (BENCHMARKS.md, engine section). 0 turns it off; no effect on a GPU or "
-        "the torch-free backends.",
+        "the torch-free backends. Whatever it says, a forward on every core that runs slower than on one "
+        "fewer (a core busy with another program) is held to one fewer while it does (README: the "
+        "forward's threads beside a busy neighbour).",
         default=0.5,
     )
     switch_interval_ms: float = _knob(

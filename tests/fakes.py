@@ -284,3 +284,14 @@ class FileGate:
         while not self.entered.exists():
             assert time.monotonic() < deadline, "no batch reached the held device"
             await asyncio.sleep(0.01)
+
+
+class Clocks:
+    """A wall clock and the event loop thread's CPU clock that a test moves by hand (``LoopShare``'s)."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def spend(self, wall: float, busy: float) -> None:
+        self.wall += wall
+        self.cpu += wall * busy

@@ -12,18 +12,7 @@ from coalesce.service.batching.cost import CostModel
 from coalesce.service.engine import threads
 from coalesce.service.engine.threads import PROBE_FIRST_S, PROBE_MAX_S, SLOW_BATCHES, ThreadChooser
 
-from ..fakes import FakeRunner
-
-
-class _Clocks:
-    """The wall clock and the event loop's CPU clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.wall = self.cpu = 0.0
-
-    def spend(self, wall: float, busy: float) -> None:
-        self.wall += wall
-        self.cpu += wall * busy
+from ..fakes import Clocks, FakeRunner
 
 
 class _Share:
@@ -135,7 +124,7 @@ def test_a_probe_whose_batch_failed_is_asked_for_again() -> None:
 
 
 def test_a_share_caps_its_count_and_a_probe_runs_one_forward_on_another() -> None:
-    clocks, set_threads, changes = _Clocks(), [], []
+    clocks, set_threads, changes = Clocks(), [], []
     share = LoopShare(4, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
     share.on_change = changes.append
     share.limit(3)
@@ -177,7 +166,7 @@ async def test_an_engine_that_starts_beside_a_busy_core_starts_on_fewer_threads_
     from coalesce.service.metrics import Metrics
     from coalesce.service.settings import build
 
-    clocks, set_threads = _Clocks(), []
+    clocks, set_threads = Clocks(), []
 
     def loop_share(device: object, above: float, *, judge_forward: bool = False) -> LoopShare:
         return LoopShare(4, above, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)

@@ -26,7 +26,7 @@ from coalesce.kernels.worker import (
     side_by_side,
 )
 
-from ..fakes import FakeRunner
+from ..fakes import Clocks, FakeRunner
 
 
 class _BadPrepare(FakeRunner):
@@ -123,19 +123,8 @@ async def test_a_batch_is_prepared_beside_the_device_only_when_the_device_is_bus
 
 
 # -- the forward's CPU threads against the event loop's busy share ---------------------------------------
-class _Clocks:
-    """A wall clock and the loop thread's CPU clock that the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.wall = self.cpu = 0.0
-
-    def spend(self, wall: float, busy: float) -> None:
-        self.wall += wall
-        self.cpu += wall * busy
-
-
 def test_the_forward_leaves_the_loop_a_core_while_the_loop_is_busy_most_of_the_time() -> None:
-    clocks, set_threads, changes = _Clocks(), [], []
+    clocks, set_threads, changes = Clocks(), [], []
     share = LoopShare(4, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
     share.on_change = changes.append
     clocks.spend(0.6, busy=0.9)
@@ -197,7 +186,7 @@ class _Threads(FakeRunner):
 async def test_the_device_thread_s_forwards_run_on_fewer_threads_and_no_other_thread_s_do() -> None:
     import torch
 
-    clocks = _Clocks()
+    clocks = Clocks()
     share = LoopShare(2, 0.5, torch.set_num_threads, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu)
     runner, device = _Threads(), DeviceThread("test")
     worker = ModelWorker(runner, device, overlap=False, share=share)
@@ -223,7 +212,7 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
     from coalesce.service.metrics import Metrics
     from coalesce.service.settings import build
 
-    clocks, set_threads, judged = _Clocks(), [], []
+    clocks, set_threads, judged = Clocks(), [], []
 
     def loop_share(device: object, above: float, *, judge_forward: bool = False) -> LoopShare:
         judged.append(judge_forward)
@@ -266,7 +255,7 @@ async def test_every_model_s_cpu_forward_shares_the_engine_s_count_and_its_gauge
 
 
 def test_the_engine_s_forward_leaves_the_gateways_a_core_while_it_runs_most_of_the_time() -> None:
-    clocks, set_threads = _Clocks(), []
+    clocks, set_threads = Clocks(), []
     share = LoopShare(4, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu,
                       judge_forward=True)
     for _ in range(LoopShare.ABOVE_WINDOWS):
@@ -295,7 +284,7 @@ class _Slow(FakeRunner):
 
 async def test_the_device_thread_counts_its_forwards_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LoopShare, "WINDOW_S", 0.1)
-    clocks, set_threads = _Clocks(), []
+    clocks, set_threads = Clocks(), []
     share = LoopShare(2, 0.5, set_threads.append, clock=lambda: clocks.wall, loop_cpu=lambda: clocks.cpu,
                       judge_forward=True)
     device = DeviceThread("test")
