@@ -15,9 +15,9 @@ Each model's cost model keeps a fit per thread count (:meth:`.CostModel.use`), b
 every batch's forward against them:
 
 * on every core, a batch that took more than :data:`SLOWER` times what the same batch is predicted to
-  take on one thread fewer counts; :data:`SLOW_BATCHES` in a row cap the forward at one thread fewer
-  (a single slow batch — a collection, a page fault — is not a busy core). The seeds on every core are
-  read so too, so a server that starts beside a busy core starts capped;
+  take on one thread fewer, and :data:`MIN_GAP_S` more, counts; :data:`SLOW_BATCHES` in a row cap the
+  forward at one thread fewer (a single slow batch — a collection, a page fault — is not a busy core).
+  The seeds on every core are read so too, so a server that starts beside a busy core starts capped;
 * capped, a probe: one batch now and then runs on every core (``LoopShare.probe``), first
   :data:`PROBE_FIRST_S` after the cap, then twice as long after each probe that ran slower than the
   fewer threads are predicted to run it, up to :data:`PROBE_MAX_S`, and at once when batches grow
@@ -41,6 +41,9 @@ from typing import Protocol
 from ..batching.cost import CostModel
 
 SLOWER = 1.5
+# ...and by more than this: a forward slower by less is not worth a thread, nor is a probe's risk (a
+# forward of microseconds — a test's, the null model's — is 1.5 times slower by noise alone).
+MIN_GAP_S = 0.002
 SLOW_BATCHES = 2
 PROBE_FIRST_S = 5.0
 PROBE_MAX_S = 60.0
@@ -90,7 +93,7 @@ class ThreadChooser:
                 self._probe_every = min(2 * self._probe_every, PROBE_MAX_S)
                 self._probe_at = self._clock() + self._probe_every
                 self._lost = padded
-            elif seconds > SLOWER * fewer:
+            elif seconds > SLOWER * fewer and seconds - fewer > MIN_GAP_S:
                 self._slow += 1
                 if self._slow >= SLOW_BATCHES:
                     self._slow = 0

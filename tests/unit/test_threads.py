@@ -48,6 +48,10 @@ def test_with_every_core_free_the_forward_keeps_them_all() -> None:
         tokens = 100 + 37 * i % 900
         chooser.forwarded(cost, 2, tokens, 0.55 * 0.01 * tokens / 100 * (1.4 if i % 7 == 0 else 1.0))
     assert share.cap == 2 and share.probes == [], "a forward on both cores beats one: never capped"
+    tiny = _seeded(0.0001)  # forwards of a tenth of a millisecond: three times slower is noise there
+    for _ in range(5):
+        chooser.forwarded(tiny, 2, 100, 0.0003)
+    assert share.cap == 2
 
 
 def test_a_busy_core_caps_the_forward_and_probes_find_when_it_is_free_again() -> None:
