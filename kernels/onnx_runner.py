@@ -249,6 +249,9 @@ class OnnxRunner:
 
     device = "cpu"
     capture_stats = None  # CUDA-graph statistics: none here
+    # Its forward runs on its runtime's own thread pool (as OpenVINO's does): torch's thread count, which
+    # the engine sets for a torch CPU forward (LoopShare, engine/threads.py), means nothing to it.
+    own_threads = True
 
     def __init__(
         self,

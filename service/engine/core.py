@@ -91,6 +91,8 @@ class Engine:
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
+            # A forward on torch's CPU threads, which the engine may count (not a runtime's own pool).
+            torch_threads = str(runner.device) == "cpu" and not getattr(runner, "own_threads", False)
             wanted = cpu_forwards(runner.device, settings.cpu_forwards, runner,
                                   beside_gateways=beside_gateways)
             side = side_by_side(runner.device, wanted)
@@ -100,14 +102,14 @@ class Engine:
             forwards = len(self.device.lanes) if side is not None else 1
             if forwards > 1:
                 depth = forwards  # (each forward on its own thread: none to prepare beside, none to spare)
-            elif self.share is None:
+            elif self.share is None and torch_threads:
                 self.share = loop_share(runner.device, settings.loop_core_share,
                                         judge_forward=beside_gateways)
                 if self.share is not None:
                     self.share.on_change = self._forward_threads
                     metrics.forward_threads.set(self.share.threads)
                     self.chooser = chooser(self.share)
-            share = self.share if str(runner.device) == "cpu" else None
+            share = self.share if torch_threads else None
             worker = ModelWorker(runner, self.device, overlap=depth > 1 and forwards == 1, share=share)
             cost = CostModel()
             if share is not None:
