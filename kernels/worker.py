@@ -334,6 +334,13 @@ class LoopShare:
         return threads
 
 
+def torch_device(runner: object) -> object:
+    """Where torch's threads run ``runner``'s forward, for :func:`cpu_forwards`, :func:`side_by_side` and
+    :func:`loop_share`: its device, or None for a runner whose forward runs on its runtime's own thread
+    pool (``own_threads``: ONNX Runtime, OpenVINO), whatever torch's count, even where torch is imported."""
+    return None if getattr(runner, "own_threads", False) else getattr(runner, "device", None)
+
+
 def _cpu_torch(device: object) -> Any:
     """torch, for a runner whose forward runs on ``device`` when that is torch's CPU forward; None for a
     GPU's forward, or in a process that has not imported torch (the torch-free runners' thread pools are

@@ -165,13 +165,7 @@ class CostModel:
             self.setting = setting
             return
         self._settings[self.setting] = self._state()
-        saved = self._settings.pop(setting, None)
-        if saved is None:
-            self._start(Coefficients(self.fit.overhead_s * scale, self.fit.per_token_s * scale))
-        else:
-            for name, value in saved.items():
-                setattr(self, name, value)
-        self.setting = setting
+        self._take_up(setting, Coefficients(self.fit.overhead_s * scale, self.fit.per_token_s * scale))
 
     def predict_at(self, setting: Hashable, padded_tokens: int) -> float | None:
         """What a forward of ``padded_tokens`` is predicted to take at ``setting``: the current one's
@@ -184,22 +178,25 @@ class CostModel:
     def _state(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _STATE}
 
-    def _observe_at(self, setting: Hashable, padded_tokens: int, seconds: float) -> None:
-        current, was = self._state(), self.setting
+    def _take_up(self, setting: Hashable, prior: Coefficients) -> None:
+        """``setting``'s state as it was left, or a fresh one predicting ``prior`` for one never used."""
         saved = self._settings.pop(setting, None)
         if saved is None:
-            self._start(self.fit)  # (a setting first seen in a batch: the current fit its prior)
+            self._start(prior)
         else:
             for name, value in saved.items():
                 setattr(self, name, value)
         self.setting = setting
+
+    def _observe_at(self, setting: Hashable, padded_tokens: int, seconds: float) -> None:
+        was = self.setting
+        self._settings[was] = self._state()
+        self._take_up(setting, self.fit)  # (a setting first seen in a batch: the current fit its prior)
         try:
             self.observe(padded_tokens, seconds)
         finally:
             self._settings[setting] = self._state()
-            for name, value in current.items():
-                setattr(self, name, value)
-            self.setting = was
+            self._take_up(was, self.fit)
 
     def observe(self, padded_tokens: int, seconds: float, setting: Hashable = None) -> None:
         """A forward of ``padded_tokens`` took ``seconds``; at ``setting`` when given (a batch that ran at

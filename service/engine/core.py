@@ -27,6 +27,7 @@ from coalesce.kernels.worker import (
     cpu_forwards,
     loop_share,
     side_by_side,
+    torch_device,
 )
 
 from ..allocator import Trimmer
@@ -91,25 +92,23 @@ class Engine:
             runner = await loop.run_in_executor(self.device.executor, self._factory, spec)
             t1 = time.perf_counter()
             depth = settings.pipeline_depth or (2 if str(runner.device).startswith("cuda") else 1)
-            # A forward on torch's CPU threads, which the engine may count (not a runtime's own pool).
-            torch_threads = str(runner.device) == "cpu" and not getattr(runner, "own_threads", False)
-            wanted = cpu_forwards(runner.device, settings.cpu_forwards, runner,
-                                  beside_gateways=beside_gateways)
-            side = side_by_side(runner.device, wanted)
+            on = torch_device(runner)  # (None: a runtime's own thread pool, which nothing here counts)
+            wanted = cpu_forwards(on, settings.cpu_forwards, runner, beside_gateways=beside_gateways)
+            side = side_by_side(on, wanted)
             if side is not None and len(self.device.lanes) == 1:
                 self.device.side_by_side(wanted, side)
                 metrics.forward_threads.set(1)
             forwards = len(self.device.lanes) if side is not None else 1
             if forwards > 1:
                 depth = forwards  # (each forward on its own thread: none to prepare beside, none to spare)
-            elif self.share is None and torch_threads:
-                self.share = loop_share(runner.device, settings.loop_core_share,
-                                        judge_forward=beside_gateways)
+            elif self.share is None:
+                self.share = loop_share(on, settings.loop_core_share, judge_forward=beside_gateways)
                 if self.share is not None:
                     self.share.on_change = self._forward_threads
                     metrics.forward_threads.set(self.share.threads)
                     self.chooser = chooser(self.share)
-            share = self.share if torch_threads else None
+            share = self.share if str(on) == "cpu" else None
+            counts = self.chooser if share is not None else None  # (made with the share it counts for)
             worker = ModelWorker(runner, self.device, overlap=depth > 1 and forwards == 1, share=share)
             cost = CostModel()
             if share is not None:
@@ -123,8 +122,8 @@ class Engine:
             if seeds is None:
                 await worker.warmup()
                 seeded = await _seed_cost(worker, runner, cost)
-                if share is not None and self.chooser is not None:
-                    await _seed_fewer(worker, runner, cost, share, self.chooser, seeded)
+                if share is not None and counts is not None:
+                    await _seed_fewer(worker, runner, cost, share, counts, seeded)
             else:
                 for padded, seconds in seeds:
                     cost.observe(padded, seconds)
@@ -138,7 +137,7 @@ class Engine:
             batcher = Batcher(
                 worker, model=runner.info.name, scheduler=scheduler, metrics=metrics, cache=self.cache,
                 device=str(runner.device), shape=getattr(runner, "padded_shape", None),
-                on_forward=self.chooser.forwarded if share is not None and self.chooser is not None else None,
+                on_forward=counts.forwarded if counts is not None else None,
             )
             batcher.start()
             self.models.append(EngineModel(runner, worker, batcher, calibration))

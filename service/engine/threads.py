@@ -82,8 +82,8 @@ class ThreadChooser:
     def forwarded(self, cost: CostModel, threads: int, padded: int, seconds: float) -> None:
         """A batch of ``padded`` tokens ran on ``threads`` in ``seconds`` (``cost``: its model's, which has
         observed it); after it, the next batch may be a probe."""
-        fewer = cost.predict_at(self.fewer, padded)
-        if threads == self.all and fewer is not None:
+        fewer = cost.predict_at(self.fewer, padded) if threads == self.all else None
+        if fewer is not None:
             if self.capped:  # the probe's batch
                 self._probed = False
                 if seconds <= fewer:
@@ -103,10 +103,10 @@ class ThreadChooser:
                     self.share.limit(self.fewer)
             else:
                 self._slow = 0
-        elif self._probed:  # (the probe's batch failed: it is asked for again in time)
+        elif threads != self.all and self._probed:  # (the probe's batch failed: asked for again in time)
             self._probed = False
             self._probe_at = self._clock() + self._probe_every
-        elif self.capped and padded > GROWN * self._lost:
+        elif threads != self.all and self.capped and padded > GROWN * self._lost:
             # Batches far larger than the one that lost: more threads may pay now (a tiny forward on every
             # core can lose to one thread fewer with every core free). Probe at once, and soon again.
             self._probe_every = PROBE_FIRST_S
@@ -116,7 +116,6 @@ class ThreadChooser:
             self.share.probe(self.all)
 
 
-def chooser(share: object) -> ThreadChooser | None:
+def chooser(share: Share) -> ThreadChooser | None:
     """The chooser for a ``LoopShare`` of a forward on more than one thread (else None)."""
-    cores = getattr(share, "cores", 0)
-    return ThreadChooser(share) if cores > 1 else None  # type: ignore[arg-type]
+    return ThreadChooser(share) if share.cores > 1 else None

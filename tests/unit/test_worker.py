@@ -24,6 +24,7 @@ from coalesce.kernels.worker import (
     cpu_forwards,
     loop_share,
     side_by_side,
+    torch_device,
 )
 
 from ..fakes import Clocks, FakeRunner
@@ -163,6 +164,10 @@ def test_only_torch_s_cpu_forward_on_several_threads_gets_one(monkeypatch: pytes
     assert share is not None and (share.cores, share.above, share.threads) == (4, 0.5, 4)
     assert loop_share("cuda:0", 0.5) is None
     assert loop_share("cpu", 0.0) is None, "0 turns it off"
+    own = SimpleNamespace(device="cpu", own_threads=True)  # (ONNX Runtime, OpenVINO: a pool of their own)
+    assert loop_share(torch_device(own), 0.5) is None, "torch imported, but not what runs the forward"
+    assert side_by_side(torch_device(own), 2) is None and cpu_forwards(torch_device(own), 0, own) == 1
+    assert torch_device(FakeRunner()) == "cpu"
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert loop_share("cpu", 0.5) is None, "a forward on one thread has none to spare"
     monkeypatch.delitem(sys.modules, "torch")
