@@ -12,6 +12,11 @@ what a minimal hand-written service does) and measures it the same way, alternat
 from other processes on the machine falls on both. Two bare processes (``--probe``, no HTTP) time the
 model load alone: Coalesce's fast loader against ``SentenceTransformer``.
 
+``--serve-arg`` adds a flag to ``coalesce serve`` (repeat it: ``--serve-arg=--cpu-forwards
+--serve-arg=1``). ``--baseline-site DIR`` starts a third server each run, between the two: the same
+``coalesce serve`` with ``DIR`` first on its ``PYTHONPATH`` (an earlier commit's code, installed there by
+``loadtests/baseline_site.sh``), reported beside ours with the ratio of each phase.
+
 The project's modules are compiled to bytecode first, as an installed package's are (see
 :func:`compile_bytecode`). Servers listen on loopback only; each is stopped with SIGTERM, then
 killed after 10 s. Nothing here imports torch: the measuring process must leave the CPU to the servers.
@@ -103,8 +108,10 @@ def compile_bytecode() -> None:
             compileall.compile_dir(path, quiet=1)
 
 
-def measure_server(argv: Sequence[str], port: int, timeout_s: float) -> dict[str, Any]:
-    """Start ``argv`` (listening on ``port``) and time /health, /ready and the first embedding."""
+def measure_server(argv: Sequence[str], port: int, timeout_s: float,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Start ``argv`` (listening on ``port``, ``env`` added to its environment) and time /health, /ready
+    and the first embedding."""
     compile_bytecode()
     body = json.dumps({"model": MODEL, "input": "hello"}).encode()
     if _status(port, "GET", "/health") is not None:
@@ -113,7 +120,7 @@ def measure_server(argv: Sequence[str], port: int, timeout_s: float) -> dict[str
         wall0, t0 = time.time(), time.perf_counter()
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-            env={**os.environ, **_ENV}, start_new_session=True,
+            env={**os.environ, **_ENV, **(env or {})}, start_new_session=True,
         )
         try:
             deadline = t0 + timeout_s
@@ -245,10 +252,20 @@ def report(result: dict[str, Any]) -> str:
         "| plain sentence-transformers server | " + " | ".join(f"{plain[k]:.2f}" for k in _PHASES) + " |",
         "| plain / coalesce | " + " | ".join(f"{plain[k] / ours[k]:.2f}×" for k in _PHASES) + " |",
     ]
-    phases = result["coalesce"]["phases"]
-    if any(v is not None for v in phases.values()):
-        lines += ["", "`coalesce serve` phases from its log (median seconds): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v is not None)]
+    if "baseline" in result:
+        base = result["baseline"]["median"]
+        lines[-2:-2] = [
+            "| `coalesce serve`, baseline | " + " | ".join(f"{base[k]:.2f}" for k in _PHASES) + " |",
+            "| coalesce / baseline | " + " | ".join(f"{ours[k] / base[k]:.2f}×" for k in _PHASES) + " |",
+        ]
+    extra = result.get("serve_args", [])
+    if extra:
+        lines += ["", "`coalesce serve` ran with " + " ".join(f"`{a}`" for a in extra) + "."]
+    for key, name in (("coalesce", "`coalesce serve`"), ("baseline", "the baseline")):
+        phases = result.get(key, {}).get("phases", {})
+        if any(v is not None for v in phases.values()):
+            lines += ["", f"{name} phases from its log (median seconds): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v is not None)]
     if result.get("probes"):
         fast, st = result["probes"]["fast"]["median"], result["probes"]["st"]["median"]
         lines += [
@@ -264,25 +281,53 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(runs: int, port: int | None, timeout_s: float, probes: bool) -> dict[str, Any]:
-    """Measure ``runs`` cold starts of each server (alternating), and of each bare loader."""
+def _server_result(argv: Sequence[str], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "argv": list(argv),
+        "runs": runs,
+        "median": {k: _median(runs, k) for k in _PHASES},
+        "phases": {
+            "listening_at": _event_median(runs, "listening", "at_s"),
+            "model_ready_at": _event_median(runs, "model_ready", "at_s"),
+            "load": _event_median(runs, "model_ready", "load_s"),
+            "warmup": _event_median(runs, "model_ready", "warmup_s"),
+        },
+    }
+
+
+def run(runs: int, port: int | None, timeout_s: float, probes: bool, serve_args: Sequence[str] = (),
+        baseline_site: Path | None = None) -> dict[str, Any]:
+    """Measure ``runs`` cold starts of each server (alternating: ours, the baseline's when
+    ``baseline_site`` is given, the plain one), and of each bare loader."""
     port = port or free_port()
-    ours_argv = [*coalesce_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+    ours_argv = [*coalesce_command(), "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     plain_argv = [sys.executable, "-m", "coalesce.loadtests.coldstart", "--plain-server", str(port)]
+    base_env = None
+    if baseline_site is not None:
+        # Its modules compiled too (baseline_site.sh installs with --no-compile), or every start of the
+        # baseline would compile them, which ours does not.
+        compileall.compile_dir(str(baseline_site / "coalesce"), quiet=1)
+        base_env = {"PYTHONPATH": os.pathsep.join(
+            p for p in (str(baseline_site), os.environ.get("PYTHONPATH", "")) if p)}
     ours: list[dict[str, Any]] = []
+    base: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []
     probe_runs: dict[str, list[float]] = {"fast": [], "st": []}
     loadavg_start = os.getloadavg()[0]
     for i in range(runs):
         ours.append(measure_server(ours_argv, port, timeout_s))
+        if base_env is not None:
+            base.append(measure_server(ours_argv, port, timeout_s, base_env))
         plain.append(measure_server(plain_argv, port, timeout_s))
         if probes:
             for kind in probe_runs:
                 probe_runs[kind].append(measure_probe(kind, timeout_s))
-        print(f"run {i + 1}/{runs}: coalesce {ours[-1]['first_embedding_s']:.2f} s, "
-              f"plain {plain[-1]['first_embedding_s']:.2f} s", file=sys.stderr)
+        print(f"run {i + 1}/{runs}: coalesce {ours[-1]['first_embedding_s']:.2f} s"
+              + (f", baseline {base[-1]['first_embedding_s']:.2f} s" if base else "")
+              + f", plain {plain[-1]['first_embedding_s']:.2f} s", file=sys.stderr)
     result: dict[str, Any] = {
         "runs": runs,
+        "serve_args": list(serve_args),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -290,19 +335,11 @@ def run(runs: int, port: int | None, timeout_s: float, probes: bool) -> dict[str
             "loadavg_start": loadavg_start,
             "loadavg_end": os.getloadavg()[0],
         },
-        "coalesce": {
-            "argv": ours_argv,
-            "runs": ours,
-            "median": {k: _median(ours, k) for k in _PHASES},
-            "phases": {
-                "listening_at": _event_median(ours, "listening", "at_s"),
-                "model_ready_at": _event_median(ours, "model_ready", "at_s"),
-                "load": _event_median(ours, "model_ready", "load_s"),
-                "warmup": _event_median(ours, "model_ready", "warmup_s"),
-            },
-        },
+        "coalesce": _server_result(ours_argv, ours),
         "plain": {"argv": plain_argv, "runs": plain, "median": {k: _median(plain, k) for k in _PHASES}},
     }
+    if base:
+        result["baseline"] = {**_server_result(ours_argv, base), "site": str(baseline_site)}
     if probes:
         result["probes"] = {k: {"runs": v, "median": statistics.median(v)} for k, v in probe_runs.items()}
     return result
@@ -316,6 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write every measurement here as JSON")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds one start may take")
     parser.add_argument("--no-probes", action="store_true", help="skip the bare-process loader timings")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="a flag for coalesce serve (repeat; --serve-arg=--cpu-forwards --serve-arg=1)")
+    parser.add_argument("--baseline-site", type=Path, default=None, metavar="DIR",
+                        help="also start coalesce serve with DIR first on PYTHONPATH (baseline_site.sh)")
     parser.add_argument("--plain-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--probe", choices=("fast", "st"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -327,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    result = run(args.runs, args.port, args.timeout, probes=not args.no_probes)
+    result = run(args.runs, args.port, args.timeout, probes=not args.no_probes, serve_args=args.serve_arg,
+                 baseline_site=args.baseline_site)
     table = report(result)
     result["report"] = table
     print(table)

@@ -55,6 +55,21 @@ def test_the_table_shows_both_servers_and_the_ratio() -> None:
     assert "| ratio | 4.00× |" in table
 
 
+def test_a_baseline_is_shown_beside_ours_with_its_ratio_and_the_flags_both_ran_with() -> None:
+    result = _result(ours=2.2, plain=6.6)
+    result["serve_args"] = ["--cpu-forwards", "1"]
+    result["baseline"] = {"median": {"health_s": 0.5, "ready_s": 2.0, "first_embedding_s": 2.0},
+                          "phases": {"load": 1.3, "warmup": 0.2, "listening_at": None}}
+    lines = report(result).splitlines()
+    rows = [line for line in lines if line.startswith("| ")]
+    assert rows[1:4] == ["| `coalesce serve` | 0.55 | 2.18 | 2.20 |",
+                         "| `coalesce serve`, baseline | 0.50 | 2.00 | 2.00 |",
+                         "| coalesce / baseline | 1.10× | 1.09× | 1.10× |"]
+    assert "`coalesce serve` ran with `--cpu-forwards` `1`." in lines
+    assert "the baseline phases from its log (median seconds): load 1.30, warmup 0.20" in lines
+    assert "coalesce / baseline" not in report(_result(ours=2.2, plain=6.6))
+
+
 def test_the_module_does_not_import_torch() -> None:
     # Other tests may have loaded torch into this process: check in a clean interpreter.
     code = "import sys, coalesce.loadtests.coldstart; print('torch' in sys.modules)"
