@@ -13,9 +13,9 @@ from other processes on the machine falls on both. Two bare processes (``--probe
 model load alone: Coalesce's fast loader against ``SentenceTransformer``.
 
 ``--serve-arg`` adds a flag to ``coalesce serve`` (repeat it: ``--serve-arg=--cpu-forwards
---serve-arg=1``). ``--baseline-site DIR`` starts a third server each run, between the two: the same
-``coalesce serve`` with ``DIR`` first on its ``PYTHONPATH`` (an earlier commit's code, installed there by
-``loadtests/baseline_site.sh``), reported beside ours with the ratio of each phase.
+--serve-arg=1``). ``--baseline-site DIR`` starts a third server each run, before or after ours by
+turns: the same ``coalesce serve`` with ``DIR`` first on its ``PYTHONPATH`` (an earlier commit's code,
+installed there by ``loadtests/baseline_site.sh``), reported beside ours with the ratio of each phase.
 
 The project's modules are compiled to bytecode first, as an installed package's are (see
 :func:`compile_bytecode`). Servers listen on loopback only; each is stopped with SIGTERM, then
@@ -315,8 +315,11 @@ def run(runs: int, port: int | None, timeout_s: float, probes: bool, serve_args:
     probe_runs: dict[str, list[float]] = {"fast": [], "st": []}
     loadavg_start = os.getloadavg()[0]
     for i in range(runs):
+        # (Ours and the baseline's take turns going first: a start right after another may differ.)
+        if base_env is not None and i % 2:
+            base.append(measure_server(ours_argv, port, timeout_s, base_env))
         ours.append(measure_server(ours_argv, port, timeout_s))
-        if base_env is not None:
+        if base_env is not None and not i % 2:
             base.append(measure_server(ours_argv, port, timeout_s, base_env))
         plain.append(measure_server(plain_argv, port, timeout_s))
         if probes:
