@@ -2,7 +2,7 @@
 
     python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--gateways G] [--rounds 2000] [--profile N]
                                             [--ops] [--cache-mb MB] [--shared-metrics] [--pipeline-depth N]
-                                            [--json]
+                                            [--wakes] [--json]
 
 The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
 ``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
@@ -36,6 +36,14 @@ two; at 16 or more by a fraction of a percent). A proxy — a bytecode that call
 however long the call takes. With it, the objects the path leaves in reference cycles per request (the
 collector off for a run, then what ``gc.collect()`` finds): those only the garbage collector frees, each
 traced by its collections on the engine's loop; none is the mark of a path that frees what it made.
+``--wakes``: the system calls that wake or put to sleep a thread, per batch of the threaded path at the
+last ``--jobs`` value, on the event loop's thread and on the others (the device thread's), counted by
+``strace -f`` around the measured rounds only (a run of its own, in a child process; strace must be
+installed): futex wakes and waits, the loop's polls, reads and writes. Unlike CPU time they tell a
+hand-off that wakes the device thread once a batch from one that wakes it again for the interpreter lock
+the loop still holds (woken on another core, it runs at once and finds the lock taken; on the loop's own
+core it waits for the loop to sleep). Which of the two a run gets follows where the kernel puts the
+threads, so a run tends to read one way throughout: run it more than once.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import threading
@@ -96,6 +105,98 @@ class _OpCounter:
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(None)
+
+
+_MARKS = (b"coalesce-wakes-start", b"coalesce-wakes-end")
+# What --wakes counts, by strace's name for the call (futex by its operation, below).
+_WAKE_CALLS = ("futex", "epoll_wait", "epoll_pwait", "read", "write")
+_WAKE_KEYS = ("futex_wake", "futex_wait", "poll", "read", "write")
+
+
+class _WakeMarks:
+    """Marks where the measured rounds start and end in an strace log: a write of a marker each."""
+
+    def __enter__(self) -> _WakeMarks:
+        self._fd = os.open(os.devnull, os.O_WRONLY)
+        os.write(self._fd, _MARKS[0])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.write(self._fd, _MARKS[1])
+        os.close(self._fd)
+
+
+def count_wakes(log: str) -> dict[str, dict[str, int]]:
+    """Calls between the markers of an ``strace -f -o FILE -e trace=...`` log, per thread: ``loop`` (the
+    one that wrote the markers) and ``others`` summed: ``futex_wake``, ``futex_wait``, ``poll`` (epoll
+    waits), ``read``, ``write`` (the markers excepted). A call strace split (``<unfinished ...>``, then
+    ``<... resumed>``) counts once, where it started; a line strace wrote without a thread's id (one
+    thread traced) is the loop's."""
+    counts: dict[str, dict[str, int]] = {}
+    loop_tid: str | None = None
+    inside = False
+    for line in log.splitlines():
+        if line[:1].isdigit():  # "TID call(...)": strace -f writing to a file
+            tid, _, rest = line.partition(" ")
+        elif line.startswith("[pid "):  # "[pid TID] call(...)": the same, written to a terminal
+            head, _, rest = line.partition("]")
+            tid = head[5:].strip()
+        else:
+            tid, rest = "", line
+        rest = rest.lstrip()
+        if rest[:1].isdigit():  # a time stamp (-t, -tt, -ttt)
+            rest = rest.partition(" ")[2]
+        if rest.startswith("<..."):
+            continue  # (the rest of a call counted where it started)
+        name = rest.partition("(")[0]
+        if name == "write" and _MARKS[0].decode() in rest:
+            loop_tid, inside = tid, True
+            continue
+        if name == "write" and _MARKS[1].decode() in rest:
+            break
+        if not inside or name not in _WAKE_CALLS:
+            continue
+        if name == "futex":
+            if "FUTEX_WAKE" in rest:
+                key = "futex_wake"
+            elif "FUTEX_WAIT" in rest:
+                key = "futex_wait"
+            else:
+                continue
+        elif name.startswith("epoll"):
+            key = "poll"
+        else:
+            key = name
+        who = counts.setdefault(tid, dict.fromkeys(_WAKE_KEYS, 0))
+        who[key] += 1
+    loop = counts.pop(loop_tid, None) if loop_tid is not None else None
+    others = dict.fromkeys(_WAKE_KEYS, 0)
+    for who in counts.values():
+        for key, n in who.items():
+            others[key] += n
+    return {"loop": loop or dict.fromkeys(_WAKE_KEYS, 0), "others": others}
+
+
+def _wakes(jobs: int, rounds: int, gateways: int, cache_mb: int, model_dir: str, depth: int
+           ) -> dict[str, Any]:
+    """``--wakes``: the threaded path's rounds in a child process under strace; calls per batch."""
+    import shutil
+
+    strace = shutil.which("strace")
+    if strace is None:
+        raise SystemExit("--wakes needs strace (not found on PATH)")
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "strace.log")
+        child = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--wakes-child", "--jobs", str(jobs),
+                 "--rounds", str(rounds), "--gateways", str(gateways), "--cache-mb", str(cache_mb),
+                 "--model", model_dir, "--pipeline-depth", str(depth)]
+        out = subprocess.run([strace, "-f", "-o", log, "-e", "trace=" + ",".join(_WAKE_CALLS), *child],
+                             capture_output=True, text=True, check=True).stdout
+        batches = json.loads(out.strip().splitlines()[-1])["batches"]
+        with open(log, encoding="utf-8", errors="replace") as f:
+            counts = count_wakes(f.read())
+    per = {side: {k: n / max(batches, 1.0) for k, n in c.items()} for side, c in counts.items()}
+    return {"jobs": jobs, "batches": batches, **per}
 
 
 class _CycleCounter:
@@ -363,8 +464,8 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
-            cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False, depth: int = 0
-            ) -> dict[str, Any]:
+            cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False, depth: int = 0,
+            wakes: bool = False) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -399,7 +500,8 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
         uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, cycles, depth=depth))
         ops = {"jobs": jobs[-1], "bytecodes": counter.ops / requests, "calls": counter.calls / requests,
                "top": counter.top(15, requests), "cycles": cycles.left / requests}
-    return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb,
+    woke = _wakes(jobs[-1], rounds, gateways, cache_mb, model_dir, depth) if wakes else None
+    return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb, "wakes_per_batch": woke,
             "shared_metrics": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")), "thread_round_trip_us": hop,
             "message_round_trip_us": messages, "profile": text, "ops_per_request": ops,
             "cpus": os.cpu_count()}
@@ -429,6 +531,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="Python bytecodes and function calls per request of the inline path at the last "
                    "--jobs (sys.settrace: nearly the same on any machine, unlike CPU time; a run of its "
                    "own), and the objects it leaves in reference cycles per request")
+    p.add_argument("--wakes", action="store_true",
+                   help="futex wakes and waits, polls, reads and writes per batch of the threaded path at "
+                   "the last --jobs, on the loop's thread and the others (strace -f; a run of its own)")
+    p.add_argument("--wakes-child", action="store_true", help=argparse.SUPPRESS)  # the traced run
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--echo", nargs=2, metavar=("TRANSPORT", "PATH"), help=argparse.SUPPRESS)  # the far side
     args = p.parse_args(argv)
@@ -437,6 +543,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvloop.run(_echo(*args.echo))
         return 0
+    if args.wakes_child:
+        import uvloop
+        from coalesce.service.logs import configure
+
+        configure("warning")
+        jobs = int(args.jobs.split(",")[-1])
+        _, per_message, _ = uvloop.run(_engine_rounds(jobs, args.rounds, False, args.gateways, args.cache_mb,
+                                                      args.model, _WakeMarks(), depth=args.pipeline_depth))
+        print(json.dumps({"batches": per_message * args.rounds * args.gateways}))
+        return 0
     with contextlib.ExitStack() as stack:
         if args.shared_metrics:
             # prometheus_client picks its value storage when first imported: the directory goes first.
@@ -444,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit("--shared-metrics: prometheus_client came before its directory")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
         figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
-                          args.cache_mb, args.model, args.ops, args.pipeline_depth)
+                          args.cache_mb, args.model, args.ops, args.pipeline_depth, args.wakes)
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -472,6 +588,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for where, count in o["top"]:
             print(f"  {count:8.1f}  {where}")
         print(f"objects left in reference cycles (for the garbage collector), per request: {o['cycles']:.2f}")
+    if figures["wakes_per_batch"] is not None:
+        w = figures["wakes_per_batch"]
+        print(f"per batch, threaded, {w['jobs']} a message ({w['batches']:.0f} batches; strace -f):")
+        for side, name in (("loop", "the event loop's thread"), ("others", "the other threads")):
+            c = w[side]
+            print(f"  {name}: {c['futex_wake']:.2f} futex wakes, {c['futex_wait']:.2f} futex waits, "
+                  f"{c['poll']:.2f} polls, {c['read']:.2f} reads, {c['write']:.2f} writes")
     if figures["profile"]:
         print(figures["profile"])
     return 0

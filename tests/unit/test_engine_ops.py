@@ -120,3 +120,59 @@ def test_the_ab_script_runs_this_checkout_beside_a_commits_wheel() -> None:
     assert [row[:2] for row in rows] == [["1", "current"], ["1", "baseline"]], out.stdout
     assert all(len(row) == 10 and float(row[5]) > 0 and float(row[6]) > 0 for row in rows), out.stdout
     assert all(float(row[8]) > 1000 and float(row[9]) > 10 for row in rows), out.stdout
+
+
+def test_wakes_are_counted_between_the_marks_per_thread_each_call_once() -> None:
+    """``--wakes`` reads strace's log: only what the measured rounds did (between the two marker writes),
+    the loop's thread (the one that wrote them) apart from the others, a call strace split in two counted
+    once, and futex calls by what they do."""
+    from coalesce.loadtests.engine_ops import count_wakes
+
+    log = "\n".join([
+        '100 futex(0x1, FUTEX_WAKE_PRIVATE, 1) = 1',  # before the start: start-up, not counted
+        '100 write(13, "coalesce-wakes-start", 20) = 20',
+        '100 futex(0x5, FUTEX_WAKE_PRIVATE, 1) = 1',
+        '101 <... futex resumed>) = 0',
+        '101 futex(0x6, FUTEX_WAIT_BITSET_PRIVATE, 0, NULL <unfinished ...>',
+        '100 futex(0x6, FUTEX_WAKE_PRIVATE, 1) = 1',
+        '100 epoll_pwait(3,  <unfinished ...>',
+        '101 <... futex resumed>) = 0',
+        '101 write(9, "\\1\\0\\0\\0\\0\\0\\0\\0", 8) = 8',
+        '100 <... epoll_pwait resumed>[{events=EPOLLIN}], 1024, 50, NULL, 8) = 1',
+        '100 read(9, "\\1\\0\\0\\0\\0\\0\\0\\0", 1024) = 8',
+        '[pid   102] 1796645180.436909 futex(0x5, FUTEX_WAIT_BITSET_PRIVATE, 0, NULL) = 0',
+        '102 futex(0x7, FUTEX_REQUEUE_PRIVATE, 1) = 0',  # neither a wake nor a wait
+        '100 write(13, "coalesce-wakes-end", 18) = 18',
+        '101 futex(0x5, FUTEX_WAIT_BITSET_PRIVATE, 0, NULL) = 0',  # after the end: not counted
+    ])
+    counts = count_wakes(log)
+    assert counts["loop"] == {"futex_wake": 2, "futex_wait": 0, "poll": 1, "read": 1, "write": 0}
+    assert counts["others"] == {"futex_wake": 0, "futex_wait": 2, "poll": 0, "read": 0, "write": 1}
+    none = dict.fromkeys(counts["loop"], 0)
+    assert count_wakes("") == {"loop": none, "others": none}
+
+
+def _can_strace() -> bool:
+    import shutil
+
+    tool = shutil.which("strace")
+    return tool is not None and subprocess.run([tool, "-f", "-o", os.devnull, "true"],
+                                               capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_strace(), reason="needs strace, allowed to trace")
+def test_engine_ops_counts_each_batchs_wakes_on_both_threads() -> None:
+    """``--wakes`` end to end: each batch's answer comes back to the loop through one eventfd write of the
+    device thread (at most one: a write already pending is not repeated), which the loop reads; the loop
+    polls at least once a batch; the counts are per batch of the measured rounds only."""
+    out = subprocess.run(
+        [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--rounds", "40", "--wakes",
+         "--json"],
+        capture_output=True, text=True, timeout=240, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    ).stdout
+    wakes = json.loads(out.strip().splitlines()[-1])["wakes_per_batch"]
+    assert wakes["jobs"] == 1 and wakes["batches"] == pytest.approx(40)
+    assert 0.5 <= wakes["others"]["write"] <= 1.0
+    assert wakes["loop"]["read"] == pytest.approx(wakes["others"]["write"], abs=0.1)
+    assert wakes["loop"]["poll"] >= 1.0
+    assert wakes["others"]["poll"] == 0  # (only the loop polls)
