@@ -297,8 +297,8 @@ def _server_result(argv: Sequence[str], runs: list[dict[str, Any]]) -> dict[str,
 
 def run(runs: int, port: int | None, timeout_s: float, probes: bool, serve_args: Sequence[str] = (),
         baseline_site: Path | None = None) -> dict[str, Any]:
-    """Measure ``runs`` cold starts of each server (alternating: ours, the baseline's when
-    ``baseline_site`` is given, the plain one), and of each bare loader."""
+    """Measure ``runs`` cold starts of each server (alternating: ours and, when ``baseline_site`` is
+    given, the baseline's, taking turns to go first; then the plain one), and of each bare loader."""
     port = port or free_port()
     ours_argv = [*coalesce_command(), "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     plain_argv = [sys.executable, "-m", "coalesce.loadtests.coldstart", "--plain-server", str(port)]
