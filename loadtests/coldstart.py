@@ -316,11 +316,11 @@ def run(runs: int, port: int | None, timeout_s: float, probes: bool, serve_args:
     loadavg_start = os.getloadavg()[0]
     for i in range(runs):
         # (Ours and the baseline's take turns going first: a start right after another may differ.)
-        if base_env is not None and i % 2:
-            base.append(measure_server(ours_argv, port, timeout_s, base_env))
-        ours.append(measure_server(ours_argv, port, timeout_s))
-        if base_env is not None and not i % 2:
-            base.append(measure_server(ours_argv, port, timeout_s, base_env))
+        sides: list[tuple[list[dict[str, Any]], dict[str, str] | None]] = [(ours, None)]
+        if base_env is not None:
+            sides.insert(1 - i % 2, (base, base_env))  # (after ours in even runs, before in odd)
+        for runs_of, env in sides:
+            runs_of.append(measure_server(ours_argv, port, timeout_s, env))
         plain.append(measure_server(plain_argv, port, timeout_s))
         if probes:
             for kind in probe_runs:

@@ -107,7 +107,7 @@ class _OpCounter:
         sys.settrace(None)
 
 
-_MARKS = (b"coalesce-wakes-start", b"coalesce-wakes-end")
+_MARKS = ("coalesce-wakes-start", "coalesce-wakes-end")
 # What --wakes counts, by strace's name for the call (futex by its operation, below).
 _WAKE_CALLS = ("futex", "epoll_wait", "epoll_pwait", "read", "write")
 _WAKE_KEYS = ("futex_wake", "futex_wait", "poll", "read", "write")
@@ -118,11 +118,11 @@ class _WakeMarks:
 
     def __enter__(self) -> _WakeMarks:
         self._fd = os.open(os.devnull, os.O_WRONLY)
-        os.write(self._fd, _MARKS[0])
+        os.write(self._fd, _MARKS[0].encode())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.write(self._fd, _MARKS[1])
+        os.write(self._fd, _MARKS[1].encode())
         os.close(self._fd)
 
 
@@ -149,10 +149,10 @@ def count_wakes(log: str) -> dict[str, dict[str, int]]:
         if rest.startswith("<..."):
             continue  # (the rest of a call counted where it started)
         name = rest.partition("(")[0]
-        if name == "write" and _MARKS[0].decode() in rest:
+        if name == "write" and _MARKS[0] in rest:
             loop_tid, inside = tid, True
             continue
-        if name == "write" and _MARKS[1].decode() in rest:
+        if name == "write" and _MARKS[1] in rest:
             break
         if not inside or name not in _WAKE_CALLS:
             continue
@@ -169,7 +169,7 @@ def count_wakes(log: str) -> dict[str, dict[str, int]]:
             key = name
         who = counts.setdefault(tid, dict.fromkeys(_WAKE_KEYS, 0))
         who[key] += 1
-    loop = counts.pop(loop_tid, None) if loop_tid is not None else None
+    loop = counts.pop(loop_tid, None) if loop_tid is not None else None  # (None: no marks found)
     others = dict.fromkeys(_WAKE_KEYS, 0)
     for who in counts.values():
         for key, n in who.items():

@@ -75,3 +75,28 @@ def test_the_module_does_not_import_torch() -> None:
     code = "import sys, coalesce.loadtests.coldstart; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_ours_and_the_baseline_take_turns_to_start_first(monkeypatch: Any, tmp_path: Any) -> None:
+    """``--baseline-site``: each run starts both (the baseline with its site first on ``PYTHONPATH``),
+    ours first in the first run, the baseline first in the next, then the plain server."""
+    from coalesce.loadtests import coldstart
+
+    started: list[str] = []
+
+    def measure(argv: Any, port: int, timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+        if "--plain-server" in argv:
+            started.append("plain")
+        else:
+            started.append("ours" if env is None else "base")
+            assert env is None or env["PYTHONPATH"].split(":")[0] == str(tmp_path)
+            assert argv[-2:] == ["--cpu-forwards", "1"]
+        return {"health_s": 1.0, "ready_s": 2.0, "first_embedding_s": 2.5, "cpu_s": 1.0, "events": {}}
+
+    monkeypatch.setattr(coldstart, "measure_server", measure)
+    (tmp_path / "coalesce").mkdir()
+    result = coldstart.run(2, 1, 1.0, probes=False, serve_args=["--cpu-forwards", "1"],
+                           baseline_site=tmp_path)
+    assert started == ["ours", "base", "plain", "base", "ours", "plain"]
+    assert len(result["baseline"]["runs"]) == len(result["coalesce"]["runs"]) == 2
+    assert result["serve_args"] == ["--cpu-forwards", "1"]
