@@ -503,10 +503,15 @@ class Batcher:
 
     def _queued(self) -> None:
         """Work joined the queue: the batcher is busy, and steps now if a batch can be dispatched (else
-        the running batch's end steps: a step meanwhile would find nothing to run)."""
+        the running batch's end steps: a step meanwhile would find nothing to run). Either way the
+        queue's gauges are written within the tally's period: with no step until a running batch ends,
+        an engine process of ``--workers N`` (whose series nobody renders in-process) showed the queue
+        as its last step left it for as long as the batch ran — the depth an autoscaler reads."""
         self._idle.clear()
         if self.scheduler.can_dispatch:
             self._wake.set()
+        else:
+            self._tally.touch()
 
     def _enqueue_or_refusal(self, r: Submission, reply: Reply) -> Ticket | CoalesceError:
         try:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,7 +21,7 @@ from coalesce.service.batching.cost import CostModel
 from coalesce.service.batching.policy import Limits
 from coalesce.service.batching.scheduler import Scheduler, SchedulerConfig
 from coalesce.service.errors import DeadlineExceeded, InferenceFailed, Overloaded, Unavailable
-from coalesce.service.metrics import Metrics
+from coalesce.service.metrics import FLUSH_S, Metrics
 
 from ..fakes import FakeRunner
 
@@ -181,6 +183,48 @@ async def test_a_deadline_that_passes_behind_a_running_batch_is_answered_when_it
         assert rig.sample("coalesce_rejected_total", reason="expired") == 1
         assert len(await rig.embed("after it")) == 1
     finally:
+        await rig.aclose()
+
+
+@dataclass
+class _GatedRunner(FakeRunner):
+    """A runner whose forwards wait until the test opens ``gate`` (at most 30 s: nothing hangs)."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+
+    def forward(self, prepared: list[list[int]]) -> list[list[int]]:
+        self.gate.wait(30)
+        return super().forward(prepared)
+
+
+async def test_the_queue_depth_gauge_follows_arrivals_while_a_batch_runs() -> None:
+    """The queue's gauges as an engine process of ``--workers N`` exports them: written by the batcher
+    itself (nothing renders its registry in-process, so no scrape writes them first), within the tally's
+    period of work joining the queue — also while the one forward is busy and no step runs until it
+    ends. Before, they showed the queue as the last step left it for as long as the batch ran."""
+    runner = _GatedRunner()
+    rig = Rig(runner)
+
+    def written(name: str) -> float:  # (no flush: what the shared files hold)
+        return float(rig.metrics.registry.get_sample_value(name, {"model": "fake"}) or 0.0)
+
+    try:
+        blocker = await _occupy(rig)
+        await asyncio.sleep(FLUSH_S * 4)  # the dispatching step's write has happened (an empty queue)
+        assert written("coalesce_queue_depth") == 0
+        waiting = [rig.batcher.submit(rig.seqs(f"waits {i} a", f"waits {i} b")) for i in range(3)]
+        await asyncio.sleep(FLUSH_S * 4)  # (a write falls due FLUSH_S after the arrivals)
+        assert rig.batcher.scheduler.inflight == 1 and not blocker.done(), "the forward is still busy"
+        assert written("coalesce_queue_depth") == 6
+        assert written("coalesce_queued_tokens") == rig.batcher.scheduler.queued_tokens > 0
+        runner.gate.set()
+        await blocker
+        for fut in waiting:
+            assert len((await fut).rows) == 2
+        await asyncio.sleep(FLUSH_S * 4)
+        assert written("coalesce_queue_depth") == 0
+    finally:
+        runner.gate.set()
         await rig.aclose()
 
 
