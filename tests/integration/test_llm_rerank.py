@@ -84,15 +84,16 @@ async def test_concurrent_mixed_batches_give_each_pair_its_own_score(server: Ser
             # Until all 12 requests are in (the scrape is the 13th) and queued behind the held forwards: a
             # model whose requests all came in one turn runs them as one batch, held with none queued,
             # so the two queues hold 10 between them, or 20 (each model's first request went out alone),
-            # or none (both came whole: then a second of quiet stands in; ≤ 20 s in all). (Waiting for
-            # the llm queue alone to reach 6 sat out the 20 s whenever its requests came in one turn.)
-            quiet = 0
+            # or none (both came whole: then it goes on a second after all are in; ≤ 20 s in all).
+            # (Waiting for the llm queue alone to reach 6 sat out the 20 s whenever its requests came in
+            # one turn.)
+            polls_in = 0
             for _ in range(400):
                 text = await (await s.get(server.url + "/metrics")).text()
                 if metric(text, "coalesce_inflight_requests") >= 13:
                     queued = sum(metric(text, "coalesce_queue_depth", m) for m in ("llm", "rr"))
-                    quiet += 1
-                    if queued >= 10 or quiet >= 20:
+                    polls_in += 1
+                    if queued >= 10 or polls_in >= 20:
                         break
                 await asyncio.sleep(0.05)
         finally:
