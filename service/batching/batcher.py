@@ -333,9 +333,17 @@ class Batcher:
         checked = self.scheduler.precheck(first, total, inputs, tenant, weight, priority,
                                           now if arrived is None else arrived, now, hold=hold)
         if isinstance(checked, Refusal):
-            self._metrics.rejected.labels(self.model, checked.reason).inc()
+            self._refused(checked.reason)
             raise refusal_error(checked, self.model)
         return checked
+
+    def _refused(self, reason: str) -> None:
+        """A request refused at admission: counted, and the queue's gauges written within the tally's
+        period (admission observes the regime, and a refusal may be what turns it: with the forward busy
+        and nothing joining the queue, no step would write ``coalesce_queue_standing`` until the batch
+        ended)."""
+        self._metrics.rejected.labels(self.model, reason).inc()
+        self._tally.touch()
 
     def _refuse_if_closing(self) -> None:
         if self._closing:
@@ -409,7 +417,7 @@ class Batcher:
                                            now, weight=r.weight, priority=r.priority, arrived=arrived,
                                            held=r.held)
             if refusal is not None:
-                self._metrics.rejected.labels(self.model, refusal.reason).inc()
+                self._refused(refusal.reason)
                 raise refusal_error(refusal, self.model)
         elif r.held:
             self.scheduler.admission.unhold(r.held)  # (every input cached or in flight: nothing queues)

@@ -228,6 +228,36 @@ async def test_the_queue_depth_gauge_follows_arrivals_while_a_batch_runs() -> No
         await rig.aclose()
 
 
+async def test_a_refusal_while_a_batch_runs_writes_the_queue_gauges() -> None:
+    """A refusal at admission writes the queue's gauges within the tally's period too (the regime it
+    observed may have turned), also while the forward is busy and nothing joins the queue: no step would
+    write them until the batch ended."""
+    runner = _GatedRunner()
+    rig = Rig(runner, max_queued_tokens=8)
+
+    def written(name: str) -> float:  # (no flush: what an engine process's shared files hold)
+        return float(rig.metrics.registry.get_sample_value(name, {"model": "fake"}) or 0.0)
+
+    try:
+        blocker = await _occupy(rig)
+        waiting = rig.batcher.submit(rig.seqs("fills the queue up"))  # (six tokens of eight)
+        await asyncio.sleep(FLUSH_S * 4)
+        assert written("coalesce_queue_depth") == 1 and written("coalesce_queue_standing") == 0
+        # The regime as an observation at admission would leave it (turned standing), then a refusal.
+        rig.batcher.scheduler.regime.standing = True
+        with pytest.raises(Overloaded):
+            rig.batcher.submit(rig.seqs("one too many"))
+        await asyncio.sleep(FLUSH_S * 4)
+        assert not blocker.done(), "the forward is still busy"
+        assert written("coalesce_queue_standing") == 1
+        runner.gate.set()
+        await blocker
+        await waiting
+    finally:
+        runner.gate.set()
+        await rig.aclose()
+
+
 async def test_queue_bound_answers_overloaded_with_retry_after() -> None:
     runner = FakeRunner(batch_seconds=0.05)
     rig = Rig(runner, max_queued_tokens=40)
