@@ -59,6 +59,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,8 +181,6 @@ def count_wakes(log: str) -> dict[str, dict[str, int]]:
 def _wakes(jobs: int, rounds: int, gateways: int, cache_mb: int, model_dir: str, depth: int
            ) -> dict[str, Any]:
     """``--wakes``: the threaded path's rounds in a child process under strace; calls per batch."""
-    import shutil
-
     strace = shutil.which("strace")
     if strace is None:
         raise SystemExit("--wakes needs strace (not found on PATH)")

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +21,7 @@ from coalesce.service.batching.scheduler import Scheduler, SchedulerConfig
 from coalesce.service.errors import DeadlineExceeded, InferenceFailed, Overloaded, Unavailable
 from coalesce.service.metrics import FLUSH_S, Metrics
 
-from ..fakes import FakeRunner
+from ..fakes import FakeRunner, GatedFake
 
 
 class Rig:
@@ -186,23 +184,13 @@ async def test_a_deadline_that_passes_behind_a_running_batch_is_answered_when_it
         await rig.aclose()
 
 
-@dataclass
-class _GatedRunner(FakeRunner):
-    """A runner whose forwards wait until the test opens ``gate`` (at most 30 s: nothing hangs)."""
-
-    gate: threading.Event = field(default_factory=threading.Event)
-
-    def forward(self, prepared: list[list[int]]) -> list[list[int]]:
-        self.gate.wait(30)
-        return super().forward(prepared)
-
-
 async def test_the_queue_depth_gauge_follows_arrivals_while_a_batch_runs() -> None:
     """The queue's gauges as an engine process of ``--workers N`` exports them: written by the batcher
     itself (nothing renders its registry in-process, so no scrape writes them first), within the tally's
     period of work joining the queue — also while the one forward is busy and no step runs until it
     ends. Before, they showed the queue as the last step left it for as long as the batch ran."""
-    runner = _GatedRunner()
+    runner = GatedFake()
+    runner.gate.clear()  # (held: its forwards wait until the test opens it)
     rig = Rig(runner)
 
     def written(name: str) -> float:  # (no flush: what the shared files hold)
@@ -232,7 +220,8 @@ async def test_a_refusal_while_a_batch_runs_writes_the_queue_gauges() -> None:
     """A refusal at admission writes the queue's gauges within the tally's period too (the regime it
     observed may have turned), also while the forward is busy and nothing joins the queue: no step would
     write them until the batch ended."""
-    runner = _GatedRunner()
+    runner = GatedFake()
+    runner.gate.clear()
     rig = Rig(runner, max_queued_tokens=8)
 
     def written(name: str) -> float:  # (no flush: what an engine process's shared files hold)

@@ -168,7 +168,7 @@ def test_engine_ops_counts_each_batchs_wakes_on_both_threads() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--rounds", "40", "--wakes",
          "--json"],
-        capture_output=True, text=True, timeout=240, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=240, check=True, env={**_OWN_ENV, "HF_HUB_OFFLINE": "1"},
     ).stdout
     wakes = json.loads(out.strip().splitlines()[-1])["wakes_per_batch"]
     assert wakes["jobs"] == 1 and wakes["batches"] == pytest.approx(40)
