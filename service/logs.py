@@ -6,6 +6,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -34,6 +35,22 @@ with _unimportable("rich"):
 
 _json = msgspec.json.Encoder()
 
+# The request a line is logged for, set by the gateway's middleware for as long as it runs a request:
+# one context variable set and reset a request, put on a line only when a line is written. (structlog's
+# bind_contextvars and unbind_contextvars, which it replaced, ran about 60 bytecodes of Python a request
+# (loadtests.gateway_ops) for lines that hardly any request writes.)
+REQUEST_ID: ContextVar[str | None] = ContextVar("coalesce_request_id", default=None)
+# Whether debug lines are written (configure): a line written for every request checks it first, and a
+# request at any other level pays no logger call for it.
+DEBUG = False
+
+
+def _add_request_id(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    rid = REQUEST_ID.get()
+    if rid is not None:
+        event.setdefault("request_id", rid)  # (a line's own request_id, if it names one, stands)
+    return event
+
 
 def _serialize(obj: Any, default: Any = None) -> str:
     # structlog's JSONRenderer passes default=; msgspec takes enc_hook.
@@ -45,9 +62,11 @@ def _serialize(obj: Any, default: Any = None) -> str:
 def configure(level: str = "info", fmt: str = "json", process: str | None = None) -> None:
     """Configure structlog and the stdlib root logger (libraries log through it). ``process`` names
     this process on every line when it is one of several (``engine``, ``gateway-0``, ...)."""
+    global DEBUG
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         numeric = logging.INFO
+    DEBUG = numeric <= logging.DEBUG
     renderer: Any = (
         structlog.processors.JSONRenderer(serializer=_serialize)
         if fmt == "json"
@@ -56,6 +75,7 @@ def configure(level: str = "info", fmt: str = "json", process: str | None = None
     )
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        _add_request_id,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

@@ -26,7 +26,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .. import tracing
+from .. import logs, tracing
 from ..engine.core import RunnerFactory, default_factory
 from ..errors import (
     CoalesceError,
@@ -35,7 +35,7 @@ from ..errors import (
     RequestTimeout,
     RouteNotFound,
 )
-from ..logs import get_logger
+from ..logs import REQUEST_ID, get_logger
 from ..metrics import Metrics
 from ..schemas import (
     EmbeddingRequest,
@@ -75,7 +75,7 @@ async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
         return refused
     metrics = app[METRICS]
     rid = request_id(request)
-    structlog.contextvars.bind_contextvars(request_id=rid)
+    bound = REQUEST_ID.set(rid)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
     metrics.request_started()
@@ -106,8 +106,10 @@ async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
     finally:
         elapsed = time.perf_counter() - t0
         metrics.request_done(route, status, elapsed, started=True)
-        log.debug("request", method=request.method, route=route, status=status, ms=round(elapsed * 1e3, 3))
-        structlog.contextvars.unbind_contextvars("request_id")
+        if logs.DEBUG:
+            log.debug("request", method=request.method, route=route, status=status,
+                      ms=round(elapsed * 1e3, 3))
+        REQUEST_ID.reset(bound)
 
 
 def _failed(err: CoalesceError, request: web.Request) -> web.Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -48,3 +49,44 @@ def test_every_log_line_is_one_whole_write_so_processes_sharing_stderr_never_int
         assert w.endswith("\n") and w.count("\n") == 1, w
         assert json.loads(w)["process"] == "gateway-1"
     assert json.loads(stderr.writes[0])["event"] == "listening"
+
+
+@pytest.mark.parametrize("level", ["debug", "info"])
+async def test_a_requests_lines_carry_its_id_and_only_its_own(
+    restore_logging: None, monkeypatch: pytest.MonkeyPatch, level: str,
+) -> None:
+    """The gateway's middleware puts each request's id on the lines written while it runs (at debug, a
+    line per request); a line written after it, or for the next request, does not carry it. At info no
+    line is written for a request that succeeds."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from coalesce.service.gateway.app import create_app
+    from coalesce.service.settings import build
+
+    from ..fakes import FakeRunner
+
+    stderr = Recorder()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(logs, "DEBUG", logs.DEBUG)  # (configure sets it; put back after the test)
+    logs.configure(level, "json")
+    client = TestClient(TestServer(create_app(build([], environ={}), lambda spec: FakeRunner())))
+    await client.start_server()
+    try:
+        for _ in range(200):
+            if (await client.get("/ready")).status == 200:
+                break
+            await asyncio.sleep(0.02)
+        for rid in ("log-1", "log-2"):
+            resp = await client.post("/v1/embeddings", json={"model": "fake", "input": "hello"},
+                                     headers={"X-Request-ID": rid})
+            assert resp.status == 200 and resp.headers["x-request-id"] == rid
+        logs.get_logger("t").info("after")
+    finally:
+        await client.close()
+    lines = [json.loads(w) for w in stderr.writes]
+    served = [x for x in lines if x["event"] == "request" and x.get("route") == "/v1/embeddings"]
+    if level == "debug":
+        assert [(x["request_id"], x["status"]) for x in served] == [("log-1", 200), ("log-2", 200)]
+    else:
+        assert served == []
+    after = [x for x in lines if x["event"] == "after"]
+    assert len(after) == 1 and "request_id" not in after[0]
