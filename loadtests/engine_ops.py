@@ -2,7 +2,7 @@
 
     python -m coalesce.loadtests.engine_ops [--jobs 1,4,16] [--gateways G] [--rounds 2000] [--profile N]
                                             [--ops] [--cache-mb MB] [--shared-metrics] [--pipeline-depth N]
-                                            [--wakes] [--json]
+                                            [--forward-us F] [--in-flight K] [--wakes] [--json]
 
 The engine process's own path (``engine/server.py``'s ``GatewayLink`` and everything behind it: the
 ``Submit`` decode, admission, the fair queue, the scheduler, the batcher, metrics, the ``Results``
@@ -44,6 +44,14 @@ hand-off that wakes the device thread once a batch from one that wakes it again 
 the loop still holds (woken on another core, it runs at once and finds the lock taken; on the loop's own
 core it waits for the loop to sleep). Which of the two a run gets follows where the kernel puts the
 threads, so a run tends to read one way throughout: run it more than once.
+
+``--forward-us F`` gives the constant forward F µs of waiting without the interpreter lock (a sleep,
+as a GPU's forward mostly is: the device thread waits for its result), and ``--in-flight K`` keeps K
+rounds handed over before the first of them is answered (1, the default: each round waits for the
+one before), so the next batch reaches the engine while one runs: with ``--pipeline-depth 2``, what a
+loaded GPU replica's engine does — a batch handed over to a device still busy with the one before it.
+Each row then says what share of its batches were handed to a busy device; the instant forward of the
+default hands every batch to an idle, sleeping device thread, which a loaded GPU seldom has.
 """
 
 from __future__ import annotations
@@ -178,8 +186,8 @@ def count_wakes(log: str) -> dict[str, dict[str, int]]:
     return {"loop": loop or dict.fromkeys(_WAKE_KEYS, 0), "others": others}
 
 
-def _wakes(jobs: int, rounds: int, gateways: int, cache_mb: int, model_dir: str, depth: int
-           ) -> dict[str, Any]:
+def _wakes(jobs: int, rounds: int, gateways: int, cache_mb: int, model_dir: str, depth: int,
+           forward_us: float = 0.0, in_flight: int = 1) -> dict[str, Any]:
     """``--wakes``: the threaded path's rounds in a child process under strace; calls per batch."""
     strace = shutil.which("strace")
     if strace is None:
@@ -188,7 +196,8 @@ def _wakes(jobs: int, rounds: int, gateways: int, cache_mb: int, model_dir: str,
         log = os.path.join(tmp, "strace.log")
         child = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--wakes-child", "--jobs", str(jobs),
                  "--rounds", str(rounds), "--gateways", str(gateways), "--cache-mb", str(cache_mb),
-                 "--model", model_dir, "--pipeline-depth", str(depth)]
+                 "--model", model_dir, "--pipeline-depth", str(depth), "--forward-us", str(forward_us),
+                 "--in-flight", str(in_flight)]
         out = subprocess.run([strace, "-f", "-o", log, "-e", "trace=" + ",".join(_WAKE_CALLS), *child],
                              capture_output=True, text=True, check=True).stdout
         batches = json.loads(out.strip().splitlines()[-1])["batches"]
@@ -217,15 +226,39 @@ class _CycleCounter:
             gc.enable()
 
 
+def _forward_taking(seconds: float) -> Callable[[Any], Any]:
+    """The null model's runner factory, its forward ``seconds`` of waiting without the interpreter lock
+    first (``--forward-us``; 0: the null model as it is)."""
+    from coalesce.loadtests.nullmodel import factory
+
+    if seconds <= 0:
+        return factory
+
+    def make(spec: Any) -> Any:
+        runner = factory(spec)
+        instant = runner.forward
+
+        def forward(prepared: Any) -> Any:
+            time.sleep(seconds)  # (releases the lock, as a device thread waiting for a GPU's result does)
+            return instant(prepared)
+
+        runner.forward = forward
+        return runner
+
+    return make
+
+
 async def _engine_rounds(
     jobs: int, rounds: int, inline: bool, gateways: int = 1, cache_mb: int = 0, model_dir: str = "default",
-    probe: contextlib.AbstractContextManager[Any] | None = None, depth: int = 0,
-) -> tuple[float, float, float]:
-    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, and inputs
-    computed per batch (every request's own: no two are the same input). ``probe`` (a profiler, an
-    :class:`_OpCounter`) is entered around the measured rounds only."""
+    probe: contextlib.AbstractContextManager[Any] | None = None, depth: int = 0, forward_s: float = 0.0,
+    in_flight: int = 1,
+) -> tuple[float, float, float, float]:
+    """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, inputs
+    computed per batch (every request's own: no two are the same input), and the share of the measured
+    batches handed to a device with another still in flight (threaded; 0 inline). ``probe`` (a profiler,
+    an :class:`_OpCounter`) is entered around the measured rounds only. ``forward_s``, ``in_flight``: see
+    ``--forward-us``, ``--in-flight``."""
     from coalesce.kernels.worker import BatchOutput
-    from coalesce.loadtests.nullmodel import factory
     from coalesce.service.allocator import freeze_startup_heap
     from coalesce.service.engine import messages as wire
     from coalesce.service.engine.core import Engine
@@ -236,15 +269,32 @@ async def _engine_rounds(
     settings = Settings(models=(parse_model_spec(model_dir),), cache_mb=cache_mb, pipeline_depth=depth,
                         runner_factory="coalesce.loadtests.nullmodel:factory")
     metrics = Metrics()
-    engine = Engine(settings, metrics, factory)
+    engine = Engine(settings, metrics, _forward_taking(forward_s))
     await engine.load()
     loop = asyncio.get_running_loop()
-    if inline:
+    handed = [0, 0]  # batches handed over, and those handed to a device with another in flight
+    progress = asyncio.Event()  # set as a batch is handed over and as answers come
+    if not inline:
+        for model in engine.models:
+            worker = model.worker
+            device, handing = worker._device, worker.start
+
+            def counted_start(batch: Sequence[Sequence[int]], kind: Any, done: Callable[[Any], None],
+                              handing: Callable[..., None] = handing, device: Any = device) -> None:
+                handed[0] += 1
+                handed[1] += device.in_flight > 0
+                progress.set()
+                handing(batch, kind, done)
+
+            worker.start = counted_start
+    else:
         for model in engine.models:
             runner = model.runner
 
             def start(batch: Sequence[Sequence[int]], kind: object, done: Callable[[Any], None],
                       runner: Any = runner) -> None:
+                handed[0] += 1
+                progress.set()
                 t0 = time.perf_counter()
                 rows = runner.finish(runner.forward(runner.prepare(batch)), None)
                 loop.call_soon(done, BatchOutput(rows, 0.0, max(time.perf_counter() - t0, 1e-6)))
@@ -257,7 +307,6 @@ async def _engine_rounds(
         for link in links:
             link.welcome([_offer(m, settings) for m in engine.models])
         state = {"answered": 0, "target": 0}
-        all_in = asyncio.Event()
 
         def sent(parts: list[Any]) -> None:
             msg = wire.gateway_decoder.decode(parts[0])
@@ -265,8 +314,7 @@ async def _engine_rounds(
                 if msg.failed:
                     raise RuntimeError(f"refused in the bench: {msg.failed[0]}")
                 state["answered"] += len(msg.done)
-                if state["answered"] >= state["target"]:
-                    all_in.set()
+                progress.set()  # (run's until checks whether its round is in)
 
         for link in links:
             link._send = sent
@@ -284,12 +332,32 @@ async def _engine_rounds(
             return [memoryview(wire.encoder.encode(wire.Submit(batch, sizes))), memoryview(frame.tobytes())]
 
         async def run(msgs: list[list[memoryview]]) -> None:
+            # A round is handed over once the round in_flight before it is answered (1: the one before)
+            # and, with more than one in flight, once the round before it has a batch on its way (else
+            # both would reach the engine in one turn and ride one batch: no batch would find the
+            # device busy).
+            outstanding: collections.deque[int] = collections.deque()  # each round's answers, in all
             for r in range(0, len(msgs), gateways):
+                while len(outstanding) >= in_flight:
+                    await answered(outstanding.popleft())
                 state["target"] += jobs * gateways
-                all_in.clear()
+                outstanding.append(state["target"])
+                before = handed[0]
                 for link, msg in zip(links, msgs[r : r + gateways], strict=True):
                     link._on_message(msg)
-                await all_in.wait()
+                if in_flight > 1:
+                    while handed[0] == before and state["answered"] < state["target"]:
+                        await moved()
+            while outstanding:
+                await answered(outstanding.popleft())
+
+        async def answered(n: int) -> None:
+            while state["answered"] < n:
+                await moved()
+
+        async def moved() -> None:
+            progress.clear()
+            await progress.wait()
 
         def counted(series: str) -> float:
             name = engine.models[0].info.name
@@ -303,6 +371,7 @@ async def _engine_rounds(
         # the engine needs: each link keeps its own.)
         msgs = [message((warm + r) * jobs) for r in range(rounds * gateways)]
         b0, i0 = counted("coalesce_batches_total"), counted("coalesce_inputs_total")
+        handed[:] = [0, 0]
         # The heap as it stands, frozen, as the engine process freezes its own once ready
         # (allocator.freeze_startup_heap): a full collection then walks what serving made, not the
         # model's, the tokenizer's and these messages' objects by the hundred thousand, which made one
@@ -321,7 +390,7 @@ async def _engine_rounds(
         for link in links:
             link.close()
     await engine.close()
-    return cpu / (rounds * gateways * jobs) * 1e6, per_message, per_batch
+    return cpu / (rounds * gateways * jobs) * 1e6, per_message, per_batch, handed[1] / max(handed[0], 1)
 
 
 async def _thread_round_trip(rounds: int) -> float:
@@ -464,7 +533,7 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
             cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False, depth: int = 0,
-            wakes: bool = False) -> dict[str, Any]:
+            wakes: bool = False, forward_us: float = 0.0, in_flight: int = 1) -> dict[str, Any]:
     """Every figure the tool prints, as data (the bench's engine section reads it)."""
     import uvloop
     from coalesce.service.logs import configure
@@ -472,12 +541,13 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     configure("warning")
     rows = []
     text = ""
+    timed: dict[str, Any] = {"depth": depth, "forward_s": forward_us / 1e6, "in_flight": in_flight}
     for n in jobs:
-        threaded, per_message, per_batch = uvloop.run(
-            _engine_rounds(n, rounds, False, gateways, cache_mb, model_dir, depth=depth))
-        inline, _, _ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir, depth=depth))
+        threaded, per_message, per_batch, busy = uvloop.run(
+            _engine_rounds(n, rounds, False, gateways, cache_mb, model_dir, **timed))
+        inline, _, _, _ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir, **timed))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
-                     "inputs_per_batch": per_batch,
+                     "inputs_per_batch": per_batch, "handed_busy": busy,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
     hop = uvloop.run(_thread_round_trip(max(rounds, 1000)))
     messages = {"unix": uvloop.run(_message_round_trip("unix", max(rounds, 1000)))}
@@ -485,22 +555,23 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
         prof = cProfile.Profile()
-        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, prof, depth=depth))
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, prof, **timed))
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
         text = out.getvalue()
     ops = None
     if count_ops:  # a run of its own too: tracing every bytecode slows it tens of times
         counter = _OpCounter()
-        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, counter,
-                                  depth=depth))
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, counter, **timed))
         requests = rounds * gateways * jobs[-1]
         cycles = _CycleCounter()
-        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, cycles, depth=depth))
+        uvloop.run(_engine_rounds(jobs[-1], rounds, True, gateways, cache_mb, model_dir, cycles, **timed))
         ops = {"jobs": jobs[-1], "bytecodes": counter.ops / requests, "calls": counter.calls / requests,
                "top": counter.top(15, requests), "cycles": cycles.left / requests}
-    woke = _wakes(jobs[-1], rounds, gateways, cache_mb, model_dir, depth) if wakes else None
+    woke = (_wakes(jobs[-1], rounds, gateways, cache_mb, model_dir, depth, forward_us, in_flight) if wakes
+            else None)
     return {"rows": rows, "gateways": gateways, "cache_mb": cache_mb, "wakes_per_batch": woke,
+            "forward_us": forward_us, "in_flight": in_flight,
             "shared_metrics": bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")), "thread_round_trip_us": hop,
             "message_round_trip_us": messages, "profile": text, "ops_per_request": ops,
             "cpus": os.cpu_count()}
@@ -525,6 +596,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pipeline-depth", type=int, default=0, metavar="N",
                    help="the engine's --pipeline-depth (0, the default: as the service picks it, 1 on CPU; "
                    "2 hands batches over as on a GPU: padded beside a running forward)")
+    p.add_argument("--forward-us", type=float, default=0.0, metavar="F",
+                   help="the forward waits F µs without the interpreter lock, as a GPU's does (0: instant)")
+    p.add_argument("--in-flight", type=int, default=1, metavar="K",
+                   help="rounds handed over before the first of them is answered (1: one at a time); with "
+                   "--pipeline-depth 2 and --forward-us, batches reach a device still busy with one")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--ops", action="store_true",
                    help="Python bytecodes and function calls per request of the inline path at the last "
@@ -548,8 +624,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure("warning")
         jobs = int(args.jobs.split(",")[-1])
-        _, per_message, _ = uvloop.run(_engine_rounds(jobs, args.rounds, False, args.gateways, args.cache_mb,
-                                                      args.model, _WakeMarks(), depth=args.pipeline_depth))
+        _, per_message, _, _ = uvloop.run(_engine_rounds(
+            jobs, args.rounds, False, args.gateways, args.cache_mb, args.model, _WakeMarks(),
+            depth=args.pipeline_depth, forward_s=args.forward_us / 1e6, in_flight=args.in_flight))
         print(json.dumps({"batches": per_message * args.rounds * args.gateways}))
         return 0
     with contextlib.ExitStack() as stack:
@@ -558,8 +635,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "prometheus_client" in sys.modules:
                 raise SystemExit("--shared-metrics: prometheus_client came before its directory")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = stack.enter_context(tempfile.TemporaryDirectory())
+        if args.in_flight < 1 or args.forward_us < 0:
+            raise SystemExit("--in-flight is at least 1 and --forward-us at least 0")
         figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
-                          args.cache_mb, args.model, args.ops, args.pipeline_depth, args.wakes)
+                          args.cache_mb, args.model, args.ops, args.pipeline_depth, args.wakes,
+                          args.forward_us, args.in_flight)
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -567,6 +647,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.gateways} gateways, one message each per round, in one event-loop turn")
     if args.pipeline_depth:
         print(f"pipeline depth {args.pipeline_depth}")
+    if args.forward_us or args.in_flight > 1:
+        print(f"the forward {args.forward_us:g} µs without the interpreter lock; {args.in_flight} "
+              f"round(s) in flight; each row's batches handed to a busy device: "
+              + ", ".join(f"{r['handed_busy']:.0%}" for r in figures["rows"]))
     if args.cache_mb or args.shared_metrics:
         where = "shared (multiprocess)" if args.shared_metrics else "this process's"
         print(f"result cache {args.cache_mb} MiB; metrics {where}")

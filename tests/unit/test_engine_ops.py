@@ -30,6 +30,26 @@ def test_engine_ops_answers_every_request_and_reports_both_paths(flags: list[str
     assert figures["thread_round_trip_us"] > 0
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_engine_ops_hands_batches_to_a_busy_device_only_with_rounds_in_flight(in_flight: int) -> None:
+    """A forward that waits 3 ms without the interpreter lock (as a GPU's does) and batches handed over
+    beside it (pipeline depth 2): one round at a time, every batch finds the device idle; two rounds in
+    flight, the next round's batch reaches the device while the one before runs — each round still its
+    own batch (not merged with the next), every request answered (the tool fails otherwise)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "2", "--rounds", "20", "--json",
+         "--forward-us", "3000", "--in-flight", str(in_flight), "--pipeline-depth", "2"],
+        capture_output=True, text=True, timeout=240, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    ).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    (row,) = figures["rows"]
+    assert (figures["forward_us"], figures["in_flight"], row["batches"]) == (3000, in_flight, 1.0)
+    if in_flight == 1:
+        assert row["handed_busy"] == 0.0
+    else:
+        assert row["handed_busy"] >= 0.5, row  # (3 ms is ample for the loop to hand the next one over)
+
+
 def test_engine_ops_with_several_gateways_answers_them_all_in_shared_batches() -> None:
     """Three gateways' one-request messages read in one turn: every request answered (the tool fails
     otherwise), and one batch takes the three (the turn admits them together)."""
