@@ -533,8 +533,10 @@ async def _message_round_trip(transport: str, rounds: int) -> tuple[float, float
 
 def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 1,
             cache_mb: int = 0, model_dir: str = "default", count_ops: bool = False, depth: int = 0,
-            wakes: bool = False, forward_us: float = 0.0, in_flight: int = 1) -> dict[str, Any]:
-    """Every figure the tool prints, as data (the bench's engine section reads it)."""
+            wakes: bool = False, forward_us: float = 0.0, in_flight: int = 1, round_trips: bool = True
+            ) -> dict[str, Any]:
+    """Every figure the tool prints, as data (the bench's engine section reads it). Without
+    ``round_trips`` the bare thread and message round trips are not measured (None and empty)."""
     import uvloop
     from coalesce.service.logs import configure
 
@@ -549,9 +551,9 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
                      "inputs_per_batch": per_batch, "handed_busy": busy,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
-    hop = uvloop.run(_thread_round_trip(max(rounds, 1000)))
-    messages = {"unix": uvloop.run(_message_round_trip("unix", max(rounds, 1000)))}
-    if importlib.util.find_spec("zmq") is not None:
+    hop = uvloop.run(_thread_round_trip(max(rounds, 1000))) if round_trips else None
+    messages = {"unix": uvloop.run(_message_round_trip("unix", max(rounds, 1000)))} if round_trips else {}
+    if round_trips and importlib.util.find_spec("zmq") is not None:
         messages["zeromq"] = uvloop.run(_message_round_trip("zmq", max(rounds, 1000)))
     if profile:  # a run of its own: the profiler slows what it watches several times over
         prof = cProfile.Profile()
@@ -601,6 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=1, metavar="K",
                    help="rounds handed over before the first of them is answered (1: one at a time); with "
                    "--pipeline-depth 2 and --forward-us, batches reach a device still busy with one")
+    p.add_argument("--no-round-trips", action="store_true",
+                   help="leave out the bare thread and message round trips (a second or two of processes)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions")
     p.add_argument("--ops", action="store_true",
                    help="Python bytecodes and function calls per request of the inline path at the last "
@@ -639,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("--in-flight is at least 1 and --forward-us at least 0")
         figures = measure([int(j) for j in args.jobs.split(",")], args.rounds, args.profile, args.gateways,
                           args.cache_mb, args.model, args.ops, args.pipeline_depth, args.wakes,
-                          args.forward_us, args.in_flight)
+                          args.forward_us, args.in_flight, not args.no_round_trips)
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -659,8 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in figures["rows"]:
         print(f"{r['jobs']:>16}  {r['batches']:>15.2f}  {r['inputs_per_batch']:>12.1f}  "
               f"{r['threaded_us']:>19.1f}  {r['inline_us']:>17.1f}  {r['hand_off_us']:>17.1f}")
-    print(f"bare thread round trip (SimpleQueue.put, call_soon_threadsafe): "
-          f"{figures['thread_round_trip_us']:.1f} µs CPU")
+    if figures["thread_round_trip_us"] is not None:
+        print(f"bare thread round trip (SimpleQueue.put, call_soon_threadsafe): "
+              f"{figures['thread_round_trip_us']:.1f} µs CPU")
     for transport, (mine, theirs) in figures["message_round_trip_us"].items():
         print(f"message round trip to another process over {transport}: {mine:.1f} µs CPU here, "
               f"{theirs:.1f} µs there")
