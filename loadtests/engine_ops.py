@@ -273,7 +273,10 @@ async def _engine_rounds(
     await engine.load()
     loop = asyncio.get_running_loop()
     handed = [0, 0]  # batches handed over, and those handed to a device with another in flight
-    progress = asyncio.Event()  # set as a batch is handed over and as answers come
+    # Set when what the rounds wait for may have come: the answers they wait for (``state["wake_at"]``),
+    # and with more than one round in flight each batch handed over (one wake of the rounds a round, as
+    # before there were rounds in flight, when one is: their own work is measured too).
+    progress = asyncio.Event()
     if not inline:
         for model in engine.models:
             worker = model.worker
@@ -283,7 +286,8 @@ async def _engine_rounds(
                               handing: Callable[..., None] = handing, device: Any = device) -> None:
                 handed[0] += 1
                 handed[1] += device.in_flight > 0
-                progress.set()
+                if in_flight > 1:
+                    progress.set()
                 handing(batch, kind, done)
 
             worker.start = counted_start
@@ -294,7 +298,8 @@ async def _engine_rounds(
             def start(batch: Sequence[Sequence[int]], kind: object, done: Callable[[Any], None],
                       runner: Any = runner) -> None:
                 handed[0] += 1
-                progress.set()
+                if in_flight > 1:
+                    progress.set()
                 t0 = time.perf_counter()
                 rows = runner.finish(runner.forward(runner.prepare(batch)), None)
                 loop.call_soon(done, BatchOutput(rows, 0.0, max(time.perf_counter() - t0, 1e-6)))
@@ -306,7 +311,7 @@ async def _engine_rounds(
         links = [GatewayLink(g, wire.endpoint(tmp, g), engine, metrics, turn) for g in range(gateways)]
         for link in links:
             link.welcome([_offer(m, settings) for m in engine.models])
-        state = {"answered": 0, "target": 0}
+        state = {"answered": 0, "target": 0, "wake_at": 0}
 
         def sent(parts: list[Any]) -> None:
             msg = wire.gateway_decoder.decode(parts[0])
@@ -314,7 +319,8 @@ async def _engine_rounds(
                 if msg.failed:
                     raise RuntimeError(f"refused in the bench: {msg.failed[0]}")
                 state["answered"] += len(msg.done)
-                progress.set()  # (run's until checks whether its round is in)
+                if state["answered"] >= state["wake_at"]:
+                    progress.set()
 
         for link in links:
             link._send = sent
@@ -347,15 +353,16 @@ async def _engine_rounds(
                     link._on_message(msg)
                 if in_flight > 1:
                     while handed[0] == before and state["answered"] < state["target"]:
-                        await moved()
+                        await moved(state["target"])
             while outstanding:
                 await answered(outstanding.popleft())
 
         async def answered(n: int) -> None:
             while state["answered"] < n:
-                await moved()
+                await moved(n)
 
-        async def moved() -> None:
+        async def moved(answers: int) -> None:
+            state["wake_at"] = answers
             progress.clear()
             await progress.wait()
 
