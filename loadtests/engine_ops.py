@@ -252,10 +252,12 @@ async def _engine_rounds(
     jobs: int, rounds: int, inline: bool, gateways: int = 1, cache_mb: int = 0, model_dir: str = "default",
     probe: contextlib.AbstractContextManager[Any] | None = None, depth: int = 0, forward_s: float = 0.0,
     in_flight: int = 1,
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, float]:
     """CPU µs per request over ``rounds`` messages of ``jobs`` requests, batches per message, inputs
-    computed per batch (every request's own: no two are the same input), and the share of the measured
-    batches handed to a device with another still in flight (threaded; 0 inline). ``probe`` (a profiler,
+    computed per batch (every request's own: no two are the same input), the share of the measured
+    batches handed to a device with another still in flight (threaded; 0 inline), and requests answered
+    per second of wall time (with rounds in flight and the forward's wait, what the engine's loop keeps
+    up with). ``probe`` (a profiler,
     an :class:`_OpCounter`) is entered around the measured rounds only. ``forward_s``, ``in_flight``: see
     ``--forward-us``, ``--in-flight``."""
     from coalesce.kernels.worker import BatchOutput
@@ -384,20 +386,21 @@ async def _engine_rounds(
         # model's, the tokenizer's and these messages' objects by the hundred thousand, which made one
         # that fell in a run cost it several µs a request, a different run's each time.
         freeze_startup_heap()
-        c0 = time.process_time()
+        c0, w0 = time.process_time(), time.perf_counter()
         try:
             with probe if probe is not None else contextlib.nullcontext():
                 await run(msgs)
         finally:
             gc.unfreeze()  # (the next run's engine starts from a heap of its own)
-        cpu = time.process_time() - c0
+        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         ran = counted("coalesce_batches_total") - b0
         per_message = ran / (rounds * gateways)
         per_batch = (counted("coalesce_inputs_total") - i0) / max(ran, 1.0)
         for link in links:
             link.close()
     await engine.close()
-    return cpu / (rounds * gateways * jobs) * 1e6, per_message, per_batch, handed[1] / max(handed[0], 1)
+    requests = rounds * gateways * jobs
+    return cpu / requests * 1e6, per_message, per_batch, handed[1] / max(handed[0], 1), requests / wall
 
 
 async def _thread_round_trip(rounds: int) -> float:
@@ -552,11 +555,11 @@ def measure(jobs: Sequence[int], rounds: int, profile: int = 0, gateways: int = 
     text = ""
     timed: dict[str, Any] = {"depth": depth, "forward_s": forward_us / 1e6, "in_flight": in_flight}
     for n in jobs:
-        threaded, per_message, per_batch, busy = uvloop.run(
+        threaded, per_message, per_batch, busy, rate = uvloop.run(
             _engine_rounds(n, rounds, False, gateways, cache_mb, model_dir, **timed))
-        inline, _, _, _ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir, **timed))
+        inline, *_ = uvloop.run(_engine_rounds(n, rounds, True, gateways, cache_mb, model_dir, **timed))
         rows.append({"jobs": n, "threaded_us": threaded, "inline_us": inline, "batches": per_message,
-                     "inputs_per_batch": per_batch, "handed_busy": busy,
+                     "inputs_per_batch": per_batch, "handed_busy": busy, "threaded_rps": rate,
                      "hand_off_us": (threaded - inline) * n / max(per_message, 1e-9)})
     hop = uvloop.run(_thread_round_trip(max(rounds, 1000))) if round_trips else None
     messages = {"unix": uvloop.run(_message_round_trip("unix", max(rounds, 1000)))} if round_trips else {}
@@ -635,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure("warning")
         jobs = int(args.jobs.split(",")[-1])
-        _, per_message, _, _ = uvloop.run(_engine_rounds(
+        _, per_message, *_ = uvloop.run(_engine_rounds(
             jobs, args.rounds, False, args.gateways, args.cache_mb, args.model, _WakeMarks(),
             depth=args.pipeline_depth, forward_s=args.forward_us / 1e6, in_flight=args.in_flight))
         print(json.dumps({"batches": per_message * args.rounds * args.gateways}))
@@ -661,7 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.forward_us or args.in_flight > 1:
         print(f"the forward {args.forward_us:g} µs without the interpreter lock; {args.in_flight} "
               f"round(s) in flight; each row's batches handed to a busy device: "
-              + ", ".join(f"{r['handed_busy']:.0%}" for r in figures["rows"]))
+              + ", ".join(f"{r['handed_busy']:.0%}" for r in figures["rows"])
+              + "; threaded, requests answered a second: "
+              + ", ".join(f"{r['threaded_rps']:,.0f}" for r in figures["rows"]))
     if args.cache_mb or args.shared_metrics:
         where = "shared (multiprocess)" if args.shared_metrics else "this process's"
         print(f"result cache {args.cache_mb} MiB; metrics {where}")
