@@ -50,8 +50,10 @@ as a GPU's forward mostly is: the device thread waits for its result), and ``--i
 rounds handed over before the first of them is answered (1, the default: each round waits for the
 one before), so the next batch reaches the engine while one runs: with ``--pipeline-depth 2``, what a
 loaded GPU replica's engine does — a batch handed over to a device still busy with the one before it.
-Each row then says what share of its batches were handed to a busy device; the instant forward of the
-default hands every batch to an idle, sleeping device thread, which a loaded GPU seldom has.
+Each row then says what share of its batches were handed to a busy device (the instant forward of the
+default hands every batch to an idle, sleeping device thread, which a loaded GPU seldom has) and how many
+requests the threaded path answered a second of wall time: with rounds in flight, what the engine's loop
+keeps up with. ``--no-round-trips`` leaves out the bare thread and message round trips.
 """
 
 from __future__ import annotations
