@@ -12,6 +12,9 @@ and answers the same unit vector, so queues build up on demand and a gateway can
 ``SLOW_MINILM_GATE=PATH`` in its environment, a test holds its device across processes (``FileGate``).
 ``slow_echo`` is the same whose row for a sequence is its ids, so a test sees whose rows it got.
 ``gated_minilm``: the packaged model itself (real embeddings) behind the same gate.
+
+``ready_client``: a test client of an app (``create_app``, usually on a ``FakeRunner``) on a loopback
+server of its own, once its model is loaded.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from coalesce.kernels.protocol import ModelInfo, Task
+
+if TYPE_CHECKING:
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient
 
 
 @dataclass
@@ -295,3 +302,18 @@ class Clocks:
     def spend(self, wall: float, busy: float) -> None:
         self.wall += wall
         self.cpu += wall * busy
+
+
+async def ready_client(app: web.Application) -> TestClient[Any, Any]:
+    """A test client of ``app`` on a loopback server of its own, once ``/ready`` answers 200 (its models
+    loaded and warmed); the caller closes it."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    client: TestClient[Any, Any] = TestClient(TestServer(app))
+    await client.start_server()
+    for _ in range(200):
+        if (await client.get("/ready")).status == 200:
+            return client
+        await asyncio.sleep(0.02)
+    await client.close()
+    raise TimeoutError("the app was not ready within 4 s")

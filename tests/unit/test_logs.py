@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
@@ -58,23 +57,17 @@ async def test_a_requests_lines_carry_its_id_and_only_its_own(
     """The gateway's middleware puts each request's id on the lines written while it runs (at debug, a
     line per request); a line written after it, or for the next request, does not carry it. At info no
     line is written for a request that succeeds."""
-    from aiohttp.test_utils import TestClient, TestServer
     from coalesce.service.gateway.app import create_app
     from coalesce.service.settings import build
 
-    from ..fakes import FakeRunner
+    from ..fakes import FakeRunner, ready_client
 
     stderr = Recorder()
     monkeypatch.setattr(sys, "stderr", stderr)
     monkeypatch.setattr(logs, "DEBUG", logs.DEBUG)  # (configure sets it; put back after the test)
     logs.configure(level, "json")
-    client = TestClient(TestServer(create_app(build([], environ={}), lambda spec: FakeRunner())))
-    await client.start_server()
+    client = await ready_client(create_app(build([], environ={}), lambda spec: FakeRunner()))
     try:
-        for _ in range(200):
-            if (await client.get("/ready")).status == 200:
-                break
-            await asyncio.sleep(0.02)
         for rid in ("log-1", "log-2"):
             resp = await client.post("/v1/embeddings", json={"model": "fake", "input": "hello"},
                                      headers={"X-Request-ID": rid})

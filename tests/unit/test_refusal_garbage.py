@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from aiohttp.test_utils import TestClient, TestServer
 from coalesce.service.batching.batcher import Submission
 from coalesce.service.errors import CoalesceError
 from coalesce.service.gateway.app import create_app
 from coalesce.service.settings import build
 
-from ..fakes import FakeRunner
+from ..fakes import FakeRunner, ready_client
 from .test_batcher import Rig as BatcherRig
 
 
@@ -29,13 +28,8 @@ async def test_requests_refused_after_tokenising_leave_nothing_for_the_collector
     # the rest refused when the turn is handed to the batcher.
     app = create_app(build(["--max-queued-tokens", "48"], environ={}),
                      lambda spec: FakeRunner(batch_seconds=0.3))
-    client = TestClient(TestServer(app))
-    await client.start_server()
+    client = await ready_client(app)
     try:
-        for _ in range(200):
-            if (await client.get("/ready")).status == 200:
-                break
-            await asyncio.sleep(0.02)
 
         async def wave(k: int) -> list[int]:
             async def one(i: int) -> int:

@@ -7,7 +7,6 @@ the check passes holds its room, is not checked again, and its hold goes to admi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from coalesce.service.batching.admit import Hold
 from coalesce.service.batching.batcher import Batcher
 from coalesce.service.errors import Overloaded
@@ -25,7 +24,7 @@ from coalesce.service.gateway.models import MODELS
 from coalesce.service.settings import build
 
 from ..conftest import ServerThread
-from ..fakes import FakeRunner
+from ..fakes import FakeRunner, ready_client
 from ..integration import rawhttp
 
 
@@ -51,12 +50,7 @@ async def standing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         keys.write_text("sk-good acme 2\n")
         argv = ["--api-keys-file", str(keys)]
     app = create_app(build(argv, environ={}), lambda spec: FakeRunner())
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    for _ in range(200):
-        if (await client.get("/ready")).status == 200:
-            break
-        await asyncio.sleep(0.02)
+    client = await ready_client(app)
     spy = _Standing()
     model = app[MODELS].models[0]
     monkeypatch.setattr(type(model), "standing", property(lambda self: True))
