@@ -35,20 +35,24 @@ with _unimportable("rich"):
 
 _json = msgspec.json.Encoder()
 
-# The request a line is logged for, set by the gateway's middleware for as long as it runs a request:
-# one context variable set and reset a request, put on a line only when a line is written. (structlog's
-# bind_contextvars and unbind_contextvars, which it replaced, ran about 60 bytecodes of Python a request
-# (loadtests.gateway_ops) for lines that hardly any request writes.)
+# The request a line is logged for, set by the gateway's middleware for as long as it runs one: its id,
+# and with tracing on its trace and span ids. A context variable set and reset a request each, put on a
+# line only when a line is written. (structlog's bind_contextvars and unbind_contextvars, which they
+# replaced, ran about 60 bytecodes of Python a request (loadtests.gateway_ops) for lines that hardly any
+# request writes, and its merge walked the whole context at every line.)
 REQUEST_ID: ContextVar[str | None] = ContextVar("coalesce_request_id", default=None)
-# Whether debug lines are written (configure): a line written for every request checks it first, and a
-# request at any other level pays no logger call for it.
-DEBUG = False
+TRACE_IDS: ContextVar[tuple[str, str] | None] = ContextVar("coalesce_trace_ids", default=None)
 
 
-def _add_request_id(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _add_request_context(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    # (setdefault: a line's own field of the same name, if it names one, stands)
     rid = REQUEST_ID.get()
     if rid is not None:
-        event.setdefault("request_id", rid)  # (a line's own request_id, if it names one, stands)
+        event.setdefault("request_id", rid)
+    trace = TRACE_IDS.get()
+    if trace is not None:
+        event.setdefault("trace_id", trace[0])
+        event.setdefault("span_id", trace[1])
     return event
 
 
@@ -62,11 +66,9 @@ def _serialize(obj: Any, default: Any = None) -> str:
 def configure(level: str = "info", fmt: str = "json", process: str | None = None) -> None:
     """Configure structlog and the stdlib root logger (libraries log through it). ``process`` names
     this process on every line when it is one of several (``engine``, ``gateway-0``, ...)."""
-    global DEBUG
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         numeric = logging.INFO
-    DEBUG = numeric <= logging.DEBUG
     renderer: Any = (
         structlog.processors.JSONRenderer(serializer=_serialize)
         if fmt == "json"
@@ -74,8 +76,7 @@ def configure(level: str = "info", fmt: str = "json", process: str | None = None
         else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        _add_request_id,
+        _add_request_context,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

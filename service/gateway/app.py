@@ -22,11 +22,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import cast
 
-import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .. import logs, tracing
+from .. import tracing
 from ..engine.core import RunnerFactory, default_factory
 from ..errors import (
     CoalesceError,
@@ -35,7 +34,7 @@ from ..errors import (
     RequestTimeout,
     RouteNotFound,
 )
-from ..logs import REQUEST_ID, get_logger
+from ..logs import REQUEST_ID, TRACE_IDS, get_logger
 from ..metrics import Metrics
 from ..schemas import (
     EmbeddingRequest,
@@ -106,9 +105,7 @@ async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
     finally:
         elapsed = time.perf_counter() - t0
         metrics.request_done(route, status, elapsed, started=True)
-        if logs.DEBUG:
-            log.debug("request", method=request.method, route=route, status=status,
-                      ms=round(elapsed * 1e3, 3))
+        log.debug("request", method=request.method, route=route, status=status, ms=round(elapsed * 1e3, 3))
         REQUEST_ID.reset(bound)
 
 
@@ -139,7 +136,7 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     with tracer.request(request.method, route, request.path, request.headers) as trace:
         ctx = trace.span.get_span_context()
-        structlog.contextvars.bind_contextvars(trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}")
+        bound = TRACE_IDS.set((f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"))
         status, rid = 499, request.headers.get("X-Request-ID", "")  # the client left, unless answered
         try:
             resp = await handler(request)
@@ -147,7 +144,7 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
             return resp
         finally:
             tracer.answered(trace, status, rid)
-            structlog.contextvars.unbind_contextvars("trace_id", "span_id")
+            TRACE_IDS.reset(bound)
 
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:

@@ -64,7 +64,6 @@ async def test_a_requests_lines_carry_its_id_and_only_its_own(
 
     stderr = Recorder()
     monkeypatch.setattr(sys, "stderr", stderr)
-    monkeypatch.setattr(logs, "DEBUG", logs.DEBUG)  # (configure sets it; put back after the test)
     logs.configure(level, "json")
     client = await ready_client(create_app(build([], environ={}), lambda spec: FakeRunner()))
     try:
@@ -83,3 +82,26 @@ async def test_a_requests_lines_carry_its_id_and_only_its_own(
         assert served == []
     after = [x for x in lines if x["event"] == "after"]
     assert len(after) == 1 and "request_id" not in after[0]
+
+
+def test_a_lines_trace_ids_come_from_the_request_and_its_own_fields_stand(
+    restore_logging: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under tracing a request's lines carry its trace and span ids beside its id; a field the line names
+    itself is not overwritten; outside a request a line carries none of them."""
+    stderr = Recorder()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    logs.configure("info", "json")
+    log = logs.get_logger("t")
+    rid, trace = logs.REQUEST_ID.set("r-1"), logs.TRACE_IDS.set(("a" * 32, "b" * 16))
+    try:
+        log.info("inside")
+        log.info("own", request_id="mine")
+    finally:
+        logs.TRACE_IDS.reset(trace)
+        logs.REQUEST_ID.reset(rid)
+    log.info("outside")
+    inside, own, outside = (json.loads(w) for w in stderr.writes)
+    assert (inside["request_id"], inside["trace_id"], inside["span_id"]) == ("r-1", "a" * 32, "b" * 16)
+    assert own["request_id"] == "mine" and own["trace_id"] == "a" * 32
+    assert not {"request_id", "trace_id", "span_id"} & set(outside)

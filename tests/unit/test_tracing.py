@@ -131,23 +131,16 @@ def test_off_the_server_never_imports_opentelemetry() -> None:
     """A server built and serving requests with tracing off has not imported any of OpenTelemetry."""
     script = textwrap.dedent("""
         import asyncio, sys
-        from aiohttp.test_utils import TestClient, TestServer
         from coalesce.service import tracing
         from coalesce.service.gateway.app import create_app
         from coalesce.service.settings import build
-        from tests.fakes import FakeRunner
+        from tests.fakes import FakeRunner, ready_client
 
         settings = build([], environ={})
         assert tracing.start(settings, "server") is None
 
         async def main():
-            client = TestClient(TestServer(create_app(settings, lambda spec: FakeRunner())))
-            await client.start_server()
-            for _ in range(100):
-                resp = await client.get("/ready")
-                if resp.status == 200:
-                    break
-                await asyncio.sleep(0.05)
+            client = await ready_client(create_app(settings, lambda spec: FakeRunner()))
             for i in range(3):
                 resp = await client.post("/v1/embeddings", json={"model": "fake", "input": [f"text {i}"]},
                                          headers={"traceparent": f"00-{1:032x}-{1:016x}-01"})
