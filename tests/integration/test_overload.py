@@ -132,23 +132,32 @@ async def test_sustained_overload_is_refused_at_once_and_the_regime_recovers(
     r = await start(replica, workers)
     # Callers resending as soon as they are answered: the queue cannot drain, so it stands, and the
     # excess is refused.
-    load = asyncio.ensure_future(overload(r.url, await callers(r.url), 8.0))
+    clients = await callers(r.url)
     seen_standing = False
     heads: list[asyncio.Future[rawhttp.Answer | None]] = []
-    while not load.done():
-        now_standing = await standing(r.url) == 1
-        seen_standing = seen_standing or now_standing
-        if now_standing and len(heads) < 20:
-            # A head sent while the gauge says it stands, one every 0.2 s while it does. Its time counts
-            # from its first byte: half a second on the way, it can no longer have its first result
-            # within the standing queue's promise (--max-queue-wait-ms, 500 ms), however short its
-            # input. (A head that came at once may be admitted: a head is judged as its smallest first
-            # input, and with two gateways the queue ahead is often well under the bound, as the time
-            # requests spend in a gateway before the engine admits them counts too. The queue may also
-            # stop standing a moment later. An admitted head is left waiting for its body.)
-            heads.append(asyncio.ensure_future(head_only(r.port, slow_s=0.5)))
-        await asyncio.sleep(0.2)
-    answers = load.result()
+    for _ in range(2):
+        load = asyncio.ensure_future(overload(r.url, clients, 8.0))
+        while not load.done():
+            now_standing = await standing(r.url) == 1
+            seen_standing = seen_standing or now_standing
+            if now_standing and len(heads) < 20:
+                # A head sent while the gauge says it stands, one every 0.2 s while it does. Its time
+                # counts from its first byte: half a second on the way, it can no longer have its first
+                # result within the standing queue's promise (--max-queue-wait-ms, 500 ms), however short
+                # its input. (A head that came at once may be admitted: a head is judged as its smallest
+                # first input, and with two gateways the queue ahead is often well under the bound, as
+                # the time requests spend in a gateway before the engine admits them counts too. The
+                # queue may also stop standing a moment later. An admitted head is left waiting for its
+                # body.)
+                heads.append(asyncio.ensure_future(head_only(r.port, slow_s=0.5)))
+            await asyncio.sleep(0.2)
+        answers = load.result()
+        if seen_standing:
+            break
+        # The queue never stood: the load was not the sustained overload this test is about (the
+        # callers come from a 1.5 s probe, and in one clean-clone CI run the queue never stood in the 8
+        # s). Twice the callers, once: under that it must stand.
+        clients *= 2
     unread = list(await asyncio.gather(*heads))
     assert seen_standing
     # Bulk uploads' heads while the queue stands: those the standing queue refuses are refused from the
