@@ -23,8 +23,12 @@ from ..conftest import ServerThread
 from .tiny_models import GATE, classifier_dir, load, metric, reranker_dir
 
 EMBEDDER = "all-MiniLM-L6-v2"
+# One forward at a time (`--cpu-forwards 1`): the full-queue test holds the device with one batch a model
+# running, so each queue keeps what it needs to be full. With two side by side (the auto choice on two
+# cores) whichever model's request came first could have two of its inputs out of the queue, which under
+# a busy CPU (a slower machine, the suite beside other work) left its queue short of full.
 LIMITS = ["--max-inputs", "4", "--max-body-bytes", "65536", "--max-queued-tokens", "64",
-          "--max-batch-size", "1"]
+          "--max-batch-size", "1", "--cpu-forwards", "1"]
 
 
 # -- TEI's schemas, from its documented field lists --------------------------------------------------
