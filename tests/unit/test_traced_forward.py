@@ -107,7 +107,10 @@ def test_the_traced_forward_does_not_wait_for_the_lock_between_operators() -> No
     # the lock between each of its 60 operators (as a Python forward's operators may: whether a small
     # one drops it depends on the operator and the BLAS kernel, so the tiny model's own Python forward
     # finished within the limit on one CI machine), waits 6 s and more: a lower bound no machine's speed
-    # changes, so the test can fail.
+    # changes, so the test can fail. Its drops are 10 ms sleeps (0.6 s in all), long enough for the
+    # spinning thread to be running when the lock comes free: with ``sleep(0)`` on a machine with more
+    # runnable threads than cores (the suite beside other work) the control often took the lock straight
+    # back before that thread got a core, and finished within the limit (1 run of 3 beside two busy loops).
     model = _model()
     traced = trace_pool(model, what="tiny")
     assert traced is not None
@@ -119,7 +122,7 @@ def test_the_traced_forward_does_not_wait_for_the_lock_between_operators() -> No
         out = ids.float()
         for _ in range(60):
             out = out + 1.0
-            time.sleep(0)  # drops the lock; taking it back waits for the spinning thread to be asked
+            time.sleep(0.01)  # drops the lock; taking it back waits for the spinning thread to be asked
         return out
 
     assert _forward_beside_a_spinning_thread(traced, ids, lens, 0.1, 2.0)
