@@ -27,7 +27,7 @@ test: $(STAMP)
 
 # The suite beside BUSY busy loops (default 2: on two cores, half the CPU each test gets alone), as on a
 # slower machine or one shared with other work: a test whose premise holds only on an idle machine fails
-# here first (two did on 2026-12-07). Not part of CI: it takes about twice as long.
+# here first, and more often than in `make test`. Not part of CI: it takes about twice as long.
 BUSY ?= 2
 test-busy: $(STAMP)
 	@pids=; for i in $$(seq $(BUSY)); do $(PYTHON) -c 'while True: pass' & pids="$$pids $$!"; done; \

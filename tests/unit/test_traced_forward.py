@@ -109,7 +109,7 @@ def test_the_traced_forward_does_not_wait_for_the_lock_between_operators() -> No
     # finished within the limit on one CI machine), waits 6 s and more: a lower bound no machine's speed
     # changes, so the test can fail. Its drops are 10 ms sleeps (0.6 s in all), long enough for the
     # spinning thread to be running when the lock comes free: with ``sleep(0)`` on a machine with more
-    # runnable threads than cores (the suite beside other work) the control often took the lock straight
+    # runnable threads than cores (the suite beside other work) the control could take the lock straight
     # back before that thread got a core, and finished within the limit (1 run of 3 beside two busy loops).
     model = _model()
     traced = trace_pool(model, what="tiny")
