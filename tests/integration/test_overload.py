@@ -7,6 +7,7 @@ in the bench's overload section."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 from typing import Any
@@ -159,7 +160,10 @@ async def test_sustained_overload_is_refused_at_once_and_the_regime_recovers(
         # s). Twice the callers, once: under that it must stand.
         clients *= 2
     unread = list(await asyncio.gather(*heads))
-    assert seen_standing
+    # (What the last load got, to tell a server that did not stand from callers that could not keep up:
+    # it failed once in two whole-suite runs beside two busy loops, never alone beside them.)
+    statuses = collections.Counter(status for status, _, _ in answers)
+    assert seen_standing, f"the queue never stood: {clients} callers for 8 s got {dict(statuses)}"
     # Bulk uploads' heads while the queue stands: those the standing queue refuses are refused from the
     # head alone, so their callers need not send the megabyte. Had the server waited for the bodies, no
     # head would have been answered (408 only after --body-timeout-s, 30 s).
