@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from . import tracing
+
 
 @contextlib.contextmanager
 def _unimportable(name: str) -> Iterator[None]:
@@ -36,12 +38,12 @@ with _unimportable("rich"):
 _json = msgspec.json.Encoder()
 
 # The request a line is logged for, set by the gateway's middleware for as long as it runs one: its id,
-# and with tracing on its trace and span ids. A context variable set and reset a request each, put on a
-# line only when a line is written. (structlog's bind_contextvars and unbind_contextvars, which they
-# replaced, ran about 60 bytecodes of Python a request (loadtests.gateway_ops) for lines that hardly any
-# request writes, and its merge walked the whole context at every line.)
+# a context variable set and reset a request, put on a line only when a line is written; with tracing on,
+# the trace and span ids of the request's span (tracing.current(), the span's own context variable), read
+# only then too. (structlog's bind_contextvars and unbind_contextvars, which they replaced, ran about 60
+# bytecodes of Python a request (loadtests.gateway_ops) for lines that hardly any request writes, and its
+# merge walked the whole context at every line.)
 REQUEST_ID: ContextVar[str | None] = ContextVar("coalesce_request_id", default=None)
-TRACE_IDS: ContextVar[tuple[str, str] | None] = ContextVar("coalesce_trace_ids", default=None)
 
 
 def _add_request_context(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -49,10 +51,11 @@ def _add_request_context(_logger: Any, _name: str, event: dict[str, Any]) -> dic
     rid = REQUEST_ID.get()
     if rid is not None:
         event.setdefault("request_id", rid)
-    trace = TRACE_IDS.get()
+    trace = tracing.current()
     if trace is not None:
-        event.setdefault("trace_id", trace[0])
-        event.setdefault("span_id", trace[1])
+        ctx = trace.span.get_span_context()
+        event.setdefault("trace_id", f"{ctx.trace_id:032x}")
+        event.setdefault("span_id", f"{ctx.span_id:016x}")
     return event
 
 

@@ -34,7 +34,7 @@ from ..errors import (
     RequestTimeout,
     RouteNotFound,
 )
-from ..logs import REQUEST_ID, TRACE_IDS, get_logger
+from ..logs import REQUEST_ID, get_logger
 from ..metrics import Metrics
 from ..schemas import (
     EmbeddingRequest,
@@ -135,8 +135,6 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
     if tracer is None or route in _UNTRACED:  # probes and scrapes would bury the requests' traces
         return await handler(request)
     with tracer.request(request.method, route, request.path, request.headers) as trace:
-        ctx = trace.span.get_span_context()
-        bound = TRACE_IDS.set((f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"))
         status, rid = 499, request.headers.get("X-Request-ID", "")  # the client left, unless answered
         try:
             resp = await handler(request)
@@ -144,7 +142,6 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
             return resp
         finally:
             tracer.answered(trace, status, rid)
-            TRACE_IDS.reset(bound)
 
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> CoalesceError:

@@ -87,21 +87,32 @@ async def test_a_requests_lines_carry_its_id_and_only_its_own(
 def test_a_lines_trace_ids_come_from_the_request_and_its_own_fields_stand(
     restore_logging: None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under tracing a request's lines carry its trace and span ids beside its id; a field the line names
-    itself is not overwritten; outside a request a line carries none of them."""
+    """Under tracing a request's lines carry its span's trace and span ids beside its id; a field the line
+    names itself is not overwritten; outside a request a line carries none of them."""
+    from coalesce.service import tracing
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     stderr = Recorder()
     monkeypatch.setattr(sys, "stderr", stderr)
     logs.configure("info", "json")
     log = logs.get_logger("t")
-    rid, trace = logs.REQUEST_ID.set("r-1"), logs.TRACE_IDS.set(("a" * 32, "b" * 16))
+    tracer = tracing.Tracer("http://unused:4318", "test", "server", exporter=InMemorySpanExporter())
+    monkeypatch.setattr(tracing, "active", tracer)
+    caller = {"traceparent": f"00-{'a' * 32}-{'b' * 16}-01"}
     try:
-        log.info("inside")
-        log.info("own", request_id="mine")
+        with tracer.request("POST", "/embed", "/embed", caller) as trace:
+            rid = logs.REQUEST_ID.set("r-1")
+            try:
+                log.info("inside")
+                log.info("own", request_id="mine")
+            finally:
+                logs.REQUEST_ID.reset(rid)
+        own_span = f"{trace.span.get_span_context().span_id:016x}"
+        log.info("outside")
     finally:
-        logs.TRACE_IDS.reset(trace)
-        logs.REQUEST_ID.reset(rid)
-    log.info("outside")
+        tracing.stop()
     inside, own, outside = (json.loads(w) for w in stderr.writes)
-    assert (inside["request_id"], inside["trace_id"], inside["span_id"]) == ("r-1", "a" * 32, "b" * 16)
+    assert (inside["request_id"], inside["trace_id"], inside["span_id"]) == ("r-1", "a" * 32, own_span)
+    assert own_span != "b" * 16  # (the request's own span, a child of the caller's)
     assert own["request_id"] == "mine" and own["trace_id"] == "a" * 32
     assert not {"request_id", "trace_id", "span_id"} & set(outside)
