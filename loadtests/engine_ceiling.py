@@ -1,0 +1,219 @@
+"""What one engine process takes when it is the bottleneck: requests/s and its CPU per request, fed over
+its real sockets by many gateways at once, as a GPU host's gateways feed it.
+
+    python -m coalesce.loadtests.engine_ceiling [--gateways 1,4,15] [--outstanding 2] [--seconds 4] [--json]
+
+The bench's engine section measures the engine behind HTTP gateways on this machine's two cores, where
+the gateways and the load generator take most of the CPU and the engine is never the busy process: at
+"saturation" it gets two or three requests a batch, and its CPU per request is mostly per-batch cost
+spread thin. A 16-core GPU host runs one engine behind 15 gateways; what caps it is how many requests/s
+the engine itself takes when every core in front of it is sending. That is what this measures.
+
+The engine is the real one (``coalesce serve --role engine``: the ``Submit`` decode, admission, the fair
+queue, the scheduler, the batcher, the device thread, metrics, the ``Results`` message, the Unix sockets)
+with the null model's forward (``coalesce.loadtests.nullmodel``: the packaged model's tokenizer and facts,
+a forward that costs nothing) and no result cache. In front of it, this process plays ``--gateways`` G
+gateways: G of the gateways' own engine clients (``service/gateway/remote.py``'s ``EngineClient``, no
+HTTP), each keeping ``--outstanding`` K one-sentence requests (distinct, already tokenised) in flight and
+sending the next as each is answered. After a second's warm-up, for ``--seconds``: requests answered
+per second; each request's time from its submit to its answer (p50, p99: the engine's share of a
+request's latency, its socket trips included); the engine process's CPU (every thread, from /proc) per
+request and as a share of one core; the mean batch (the engine's own ``coalesce_batch_size``, its
+metrics shared through a directory as under ``--workers``); and the requests each answer message carried
+(one message a batch to each gateway that has rows in it).
+
+The engine has no one ceiling: the more requests wait in it, the larger its batches and the less
+each one costs (per-batch work shared), at the price of latency; so a row for each count in flight, with
+the latency it took. Where the engine's share of a core is near 1, the row's requests/s is what it takes
+at that many in flight; below that, this process (on another core) could not send faster. A request's
+cost to the gateways is not here: see the bench's engine section (gateways µs/req) and ``gateway_ops``.
+The forward costs nothing: a real device's own CPU (a GPU's launches and copies, on the device thread)
+comes on top, and a batch that waits on a busy device costs the engine more wake-ups (``engine_ops
+--forward-us``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SENTENCES = 4096  # distinct inputs, cycled: far more than are ever in flight, so none is shared in a batch
+
+
+def _sentences(n: int) -> list[str]:
+    words = ("river", "engine", "garden", "signal", "market", "winter", "copper", "violin", "harbor",
+             "planet")
+    return [f"The {words[i % 10]} near the {words[i // 10 % 10]} opened at {i} past {words[i // 100 % 10]}."
+            for i in range(n)]
+
+
+def _engine_command(directory: str, gateways: int) -> list[str]:
+    return [sys.executable, "-m", "coalesce.service.cli", "serve", "--role", "engine",
+            "--engine-dir", directory, "--workers", str(gateways), "--worker-id", "0", "--cache-mb", "0",
+            "--runner-factory", "coalesce.loadtests.nullmodel:factory"]
+
+
+async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: int, warmup_s: float,
+                 seconds: float, engine_pid: int) -> dict[str, Any]:
+    from coalesce.kernels.tokens import TokenizerAdapter
+    from coalesce.loadtests.procs import cpu_seconds
+    from coalesce.service.batching.fair import DEFAULT_TENANT
+    from coalesce.service.engine import messages as wire
+    from coalesce.service.gateway.admission import Admission
+    from coalesce.service.gateway.remote import EngineClient
+
+    answers = [0]  # Results messages with rows, over every client
+
+    class Client(EngineClient):
+        def _results(self, msg: wire.Results, frames: Sequence[memoryview]) -> None:
+            if msg.done:
+                answers[0] += 1
+            super()._results(msg, frames)
+
+    lost: list[str] = []
+    clients = [Client(wire.endpoint(directory, i), i, lost.append) for i in range(gateways)]
+    welcomes = await asyncio.wait_for(asyncio.gather(*(c.start() for c in clients)), 120)
+    welcome = welcomes[0]
+    if welcome.error is not None:
+        raise SystemExit(f"the engine could not load its model: {welcome.error}")
+    tokens = TokenizerAdapter.from_spec(welcome.models[0].tokenizer)
+    inputs = [[tokens.with_special_tokens(ids)] for ids in tokens.tokenize(_sentences(SENTENCES))]
+    answered = [0]
+    failed: list[BaseException] = []
+    state = {"stop": False, "next": 0}
+
+    latencies: list[float] = []  # seconds from submit to answer, of requests answered in the window
+    window = [False]
+
+    def send(client: EngineClient) -> None:
+        now = time.monotonic()
+        k = state["next"]
+        state["next"] = k + 1
+        adm = Admission(DEFAULT_TENANT, 1.0, 1, 30.0, now + 30.0, now)
+        fut = client.submit(0, inputs[k % SENTENCES], adm)
+        fut.add_done_callback(lambda f: done(client, f, now))
+
+    def done(client: EngineClient, fut: asyncio.Future[Any], sent: float) -> None:
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:
+            failed.append(fut.exception())  # type: ignore[arg-type]
+            return
+        answered[0] += 1
+        if window[0]:
+            latencies.append(time.monotonic() - sent)
+        if not state["stop"]:
+            send(client)
+
+    for client in clients:
+        for _ in range(outstanding):
+            send(client)
+    await asyncio.sleep(warmup_s)
+    n0, m0, e0, d0, t0 = answered[0], answers[0], cpu_seconds(engine_pid), _own_cpu(), time.perf_counter()
+    b0 = _batches(metrics_dir)
+    window[0] = True
+    await asyncio.sleep(seconds)
+    window[0] = False
+    n1, m1, e1, d1, t1 = answered[0], answers[0], cpu_seconds(engine_pid), _own_cpu(), time.perf_counter()
+    b1 = _batches(metrics_dir)
+    state["stop"] = True
+    for client in clients:
+        await client.drain(10.0)
+        await client.close()
+    if failed or lost:
+        raise SystemExit(f"{len(failed)} requests failed ({failed[:1]!r}); lost: {lost[:1]}")
+    n, wall = n1 - n0, t1 - t0
+    return {"gateways": gateways, "outstanding": outstanding, "requests": n, "rps": n / wall,
+            "engine_us": (e1 - e0) / n * 1e6, "engine_core": (e1 - e0) / wall,
+            "driver_us": (d1 - d0) / n * 1e6, "per_answer": n / max(m1 - m0, 1),
+            "mean_batch": (b1[0] - b0[0]) / max(b1[1] - b0[1], 1),
+            "p50_ms": _quantile(latencies, 0.5) * 1e3, "p99_ms": _quantile(latencies, 0.99) * 1e3}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+def _batches(metrics_dir: str) -> tuple[float, float]:
+    """Inputs batched and batches run, as the engine's shared metrics files say (written every
+    ``FLUSH_S``: read at both ends of the window, the lag is the same at each)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=metrics_dir)
+    found = {s.name: s.value for m in registry.collect() if m.name == "coalesce_batch_size"
+             for s in m.samples}
+    return found.get("coalesce_batch_size_sum", 0.0), found.get("coalesce_batch_size_count", 0.0)
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1.0) -> dict[str, Any]:
+    """One row: an engine process of its own, fed by ``gateways`` clients of ``outstanding`` each."""
+    import uvloop
+
+    with tempfile.TemporaryDirectory(prefix="coalesce-ceiling-") as directory:
+        os.chmod(directory, 0o700)
+        metrics_dir = os.path.join(directory, "metrics")
+        os.mkdir(metrics_dir)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+        log = Path(directory) / "engine.log"
+        with log.open("wb") as out:
+            engine = subprocess.Popen(_engine_command(directory, gateways), env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return uvloop.run(
+                _drive(directory, metrics_dir, gateways, outstanding, warmup_s, seconds, engine.pid))
+        except BaseException:
+            sys.stderr.write(log.read_text(errors="replace")[-3000:])
+            raise
+        finally:
+            engine.send_signal(signal.SIGTERM)
+            try:
+                engine.wait(30)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+                engine.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coalesce.loadtests.engine_ceiling",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gateways", default="1,4,15", help="comma-separated gateway counts (1,4,15)")
+    p.add_argument("--outstanding", default="2",
+                   help="comma-separated requests in flight per gateway (2); a row for each pair of the two")
+    p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per row (4)")
+    p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    args = p.parse_args(argv)
+    rows = [measure(int(g), int(k), args.seconds)
+            for g in args.gateways.split(",") for k in args.outstanding.split(",")]
+    print("gateways  in flight  requests/s  engine µs/request  engine core  mean batch  requests/answer  "
+          "p50 ms  p99 ms  driver µs/request")
+    for r in rows:
+        print(f"{r['gateways']:>8}  {r['gateways'] * r['outstanding']:>9}  {r['rps']:>10,.0f}  "
+              f"{r['engine_us']:>17.1f}  {r['engine_core']:>11.2f}  {r['mean_batch']:>10.2f}  "
+              f"{r['per_answer']:>15.2f}  {r['p50_ms']:>6.2f}  {r['p99_ms']:>6.2f}  {r['driver_us']:>17.1f}")
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""The engine-ceiling tool drives a real engine process over its sockets with several gateways' clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_batches() -> None:
+    """Three gateways' clients, two requests in flight each: every request answered (the tool fails
+    otherwise), the engine's CPU read, its batches read from its own metrics, each answer message a
+    gateway's share of a batch; the engine is stopped at the end."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    out = subprocess.run(
+        [sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--gateways", "3", "--outstanding", "2",
+         "--seconds", "0.5", "--json"],
+        capture_output=True, text=True, timeout=240, check=True, env={**env, "HF_HUB_OFFLINE": "1"},
+    )
+    (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    assert (row["gateways"], row["outstanding"]) == (3, 2)
+    assert row["requests"] > 0 and row["rps"] > 0
+    assert row["engine_us"] > 0 and 0 < row["engine_core"] <= os.cpu_count()
+    # A batch holds at most the six in flight; a gateway's answer message at most its own two.
+    assert 1.0 <= row["mean_batch"] <= 6.0, row
+    assert 1.0 <= row["per_answer"] <= 2.0, row
+    assert 0 < row["p50_ms"] <= row["p99_ms"], row
+    running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "coalesce-ceiling-" not in running  # (its --engine-dir: the tool's own temporary directory)
