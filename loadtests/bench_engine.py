@@ -194,6 +194,37 @@ def _engine_ops(*flags: str) -> dict[str, Any]:
     return figures
 
 
+# engine_ceiling's rows: (gateways, requests in flight at each), the engine the busy process. The host the
+# projection is for has PROJECTED_CORES - 1 gateways; FED is the row it reads (a gateway's turn under load
+# carries a request or two); the others show how the figures move with the load.
+CEILING_ROWS = ((1, 2), (4, 2), (PROJECTED_CORES - 1, 1), (PROJECTED_CORES - 1, 2), (PROJECTED_CORES - 1, 4))
+FED = (PROJECTED_CORES - 1, 2)
+COMPASS_RPS = 20_000  # issue 25's goal for one 16-core H200 host
+
+
+def _engine_ceiling() -> list[dict[str, Any]]:
+    """``coalesce.loadtests.engine_ceiling``'s rows for :data:`CEILING_ROWS` (its own process each run:
+    it starts an engine and drives it from its own event loop)."""
+    rows: list[dict[str, Any]] = []
+    for gateways in dict.fromkeys(g for g, _ in CEILING_ROWS):
+        outstanding = ",".join(str(k) for g, k in CEILING_ROWS if g == gateways)
+        out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--json",
+                              "--gateways", str(gateways), "--outstanding", outstanding],
+                             capture_output=True, text=True, timeout=900, check=True).stdout
+        rows += json.loads(out.strip().splitlines()[-1])["rows"]
+    return rows
+
+
+def _ceiling_table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(
+        ["gateways", "in flight", "requests/s", "engine µs/request", "engine core", "mean batch", "p50 ms",
+         "p99 ms"],
+        [[str(r["gateways"]), str(r["gateways"] * r["outstanding"]), f"{r['rps']:,.0f}",
+          f"{r['engine_us']:,.1f}", f"{r['engine_core']:.2f}", f"{r['mean_batch']:.2f}", f"{r['p50_ms']:.2f}",
+          f"{r['p99_ms']:.2f}"]
+         for r in rows])
+
+
 def _remains(ops: dict[str, Any], many: dict[str, Any] | None = None) -> str:
     """What the engine's CPU per request is made of, from ``engine_ops`` (one gateway), and with
     ``many`` gateways' messages in each turn."""
@@ -278,9 +309,11 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     engine_open_us = costs["--workers 2", at_rate]["engine"]
     engine_cap = 1e6 / engine_us
     gateway_cap = (PROJECTED_CORES - 1) * 1e6 / gateway_us
-    ceiling = min(engine_cap, gateway_cap)
 
     remains = _remains(_engine_ops(), _engine_ops("--gateways", str(MANY_GATEWAYS), "--jobs", "1,2"))
+    fed_rows = _engine_ceiling()
+    fed = next(r for r in fed_rows if (r["gateways"], r["outstanding"]) == FED)
+    ceiling = min(fed["rps"], gateway_cap)
     closed = Scenario(
         mode=Mode.CLOSED, concurrency=CLIENTS, duration=max(args.duration / ROUNDS, 5.0), warmup=3.0,
         mix=Mix.SHORT
@@ -325,6 +358,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         [f"throughput, --workers 2 ÷ one process (real model, {CLIENTS} clients)", "≥ 1.0×",
          f"{throughput:.2f}×", _met(throughput >= 1.0)],
         ["mean batch, --workers 2 ÷ one process", "≥ 0.8×", f"{batch_ratio:.2f}×", _met(batch_ratio >= 0.8)],
+        [f"one engine fed by {FED[0]} gateways, {FED[1]} in flight each (null model): requests/s",
+         f"≥ {COMPASS_RPS:,} (a 16-core host's goal)", f"{fed['rps']:,.0f}", _met(fed["rps"] >= COMPASS_RPS)],
     ]
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}×" if b else "-"
@@ -339,14 +374,26 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         + markdown_table(["server", "load", "achieved/s", "engine µs/req", "gateways µs/req",
                           "total µs/req", "÷ stub", "mean batch", "p50 ms", "p99 ms"], cost_rows)
         + f"\n\nAt {saturated} one process spends {single:,.0f} µs per request; split, the engine spends "
-        f"{engine_us:,.0f} µs and the gateways {gateway_us:,.0f} µs. Projection for a "
-        f"{PROJECTED_CORES}-core host (one core for the engine, {PROJECTED_CORES - 1} for gateways): one "
-        f"engine takes ~{engine_cap:,.0f} requests/s, the gateways ~{gateway_cap:,.0f}/s, so a replica "
-        f"tops out near **{ceiling:,.0f} small requests/s** whatever the model (before the model's own "
-        "time). Small requests only: a request of many inputs costs the gateway more and the engine "
-        "about the same per input.\n\n"
+        f"{engine_us:,.0f} µs and the gateways {gateway_us:,.0f} µs. Here the engine is not the busy "
+        "process (the gateways and the load generator take the two cores), so its batches are small and "
+        f"10⁶ ÷ its µs per request (~{engine_cap:,.0f}/s) understates what it takes when it is: measured "
+        "below, fed by a 16-core host's gateways.\n\n"
         + _profile(samples)
         + remains
+        + "**What one engine takes when it is the busy process** (`python -m coalesce.loadtests."
+        "engine_ceiling`: the real engine process, null model, no result cache, metrics shared as under "
+        "`--workers`, fed over its sockets by G gateways' engine clients in one process on the other core, "
+        "each keeping K one-sentence requests in flight, no HTTP; 4 s after 1 s of warm-up a row; latency "
+        "from a request's submit to its answer, the engine's share of it):\n\n"
+        + _ceiling_table(fed_rows)
+        + f"\n\nProjection for a {PROJECTED_CORES}-core host (one core for the engine, "
+        f"{PROJECTED_CORES - 1} for gateways): one engine takes ~{fed['rps']:,.0f} requests/s fed by "
+        f"{FED[0]} gateways with {FED[1]} in flight each (more with more in flight: its batches grow and "
+        f"each request pays less of them), the gateways ~{gateway_cap:,.0f}/s at the {saturated} figure, "
+        f"so a replica tops out near **{ceiling:,.0f} small requests/s** (before the model's own time and "
+        "its device's CPU: a GPU's launches and copies run on the engine's device thread). Small requests "
+        "only: a request of many inputs costs the gateway more and the engine about the same per "
+        "input.\n\n"
         + f"**Coalescing across gateways**, the real model, {CLIENTS} closed-loop clients, all up at "
         f"once, {ROUNDS} interleaved rounds of {closed.duration:.3g} s after 3 s warm-up (the round of "
         "median throughput shown), on this machine's cores (the gateways and the engine "

@@ -68,3 +68,27 @@ def test_cpu_per_request_reads_the_cpu_of_the_measured_window_only(monkeypatch, 
     assert per == {"all": 1000.0}  # µs a request, not 1,125
     assert runs == [(0.0, 1.0), (0.0, 8.0)]  # the warm-up on its own, then the measured run
     assert st.ok == 8000
+
+
+def test_the_ceiling_rows_run_the_tool_once_per_gateway_count_and_come_back_in_order(monkeypatch) -> None:
+    """The section's engine-ceiling rows: one run of the tool per gateway count, with that count's
+    in-flight values, and every row of CEILING_ROWS back in its order (the projection reads FED's)."""
+    import json
+    from types import SimpleNamespace
+
+    from coalesce.loadtests import bench_engine
+
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str], **kwargs: object) -> SimpleNamespace:
+        calls.append(cmd)
+        g = int(cmd[cmd.index("--gateways") + 1])
+        each = cmd[cmd.index("--outstanding") + 1].split(",")
+        rows = [{"gateways": g, "outstanding": int(k)} for k in each]
+        return SimpleNamespace(stdout="table\n" + json.dumps({"rows": rows}) + "\n")
+
+    monkeypatch.setattr(bench_engine.subprocess, "run", run)
+    rows = bench_engine._engine_ceiling()
+    assert [(r["gateways"], r["outstanding"]) for r in rows] == list(bench_engine.CEILING_ROWS)
+    assert len(calls) == len({g for g, _ in bench_engine.CEILING_ROWS})
+    assert bench_engine.FED in bench_engine.CEILING_ROWS
