@@ -50,6 +50,10 @@ engine_ops() {
         timeout -k 2 30 $ops --gateways 8 --rounds 2000
         timeout -k 2 30 $ops --gateways 48 --rounds 400
         timeout -k 2 30 $ops --gateways 48 --rounds 400 --cache-mb 64 --shared-metrics
+        # One engine process fed over its sockets by 15 gateways' clients until it is the busy process
+        # (this host's CPU; the forward costs nothing): what it takes at 1, 2 and 4 requests in flight each.
+        timeout -k 2 45 "$py" -m coalesce.loadtests.engine_ceiling --gateways 15 --outstanding 1,2,4 \
+            --seconds 3 --model "$model"
     } > "$out/engine-ops.txt" 2>&1
     cat "$out/engine-ops.txt"
 }

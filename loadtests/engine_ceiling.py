@@ -1,7 +1,8 @@
 """What one engine process takes when it is the bottleneck: requests/s and its CPU per request, fed over
 its real sockets by many gateways at once, as a GPU host's gateways feed it.
 
-    python -m coalesce.loadtests.engine_ceiling [--gateways 1,4,15] [--outstanding 2] [--seconds 4] [--json]
+    python -m coalesce.loadtests.engine_ceiling [--gateways 1,4,15] [--outstanding 2] [--seconds 4]
+                                                [--model PATH] [--json]
 
 The bench's engine section measures the engine behind HTTP gateways on this machine's two cores, where
 the gateways and the load generator take most of the CPU and the engine is never the busy process: at
@@ -58,10 +59,11 @@ def _sentences(n: int) -> list[str]:
             for i in range(n)]
 
 
-def _engine_command(directory: str, gateways: int) -> list[str]:
+def _engine_command(directory: str, gateways: int, model: str | None) -> list[str]:
     return [sys.executable, "-m", "coalesce.service.cli", "serve", "--role", "engine",
             "--engine-dir", directory, "--workers", str(gateways), "--worker-id", "0", "--cache-mb", "0",
-            "--runner-factory", "coalesce.loadtests.nullmodel:factory"]
+            "--runner-factory", "coalesce.loadtests.nullmodel:factory",
+            *(["--model", model] if model else [])]
 
 
 async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: int, warmup_s: float,
@@ -164,8 +166,11 @@ def _own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1.0) -> dict[str, Any]:
-    """One row: an engine process of its own, fed by ``gateways`` clients of ``outstanding`` each."""
+def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1.0,
+            model: str | None = None) -> dict[str, Any]:
+    """One row: an engine process of its own, fed by ``gateways`` clients of ``outstanding`` each;
+    ``model``: the model directory whose tokenizer and facts the null model takes (None: the packaged
+    one)."""
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="coalesce-ceiling-") as directory:
@@ -176,7 +181,7 @@ def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1
                "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         log = Path(directory) / "engine.log"
         with log.open("wb") as out:
-            engine = subprocess.Popen(_engine_command(directory, gateways), env=env, stdout=out,
+            engine = subprocess.Popen(_engine_command(directory, gateways, model), env=env, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return uvloop.run(
@@ -200,9 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--outstanding", default="2",
                    help="comma-separated requests in flight per gateway (2); a row for each pair of the two")
     p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per row (4)")
+    p.add_argument("--model", metavar="PATH", help="the model directory (default: the packaged one; the GPU "
+                   "bundle's where there is none)")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = p.parse_args(argv)
-    rows = [measure(int(g), int(k), args.seconds)
+    rows = [measure(int(g), int(k), args.seconds, model=args.model)
             for g in args.gateways.split(",") for k in args.outstanding.split(",")]
     print("gateways  in flight  requests/s  engine µs/request  engine core  mean batch  requests/answer  "
           "p50 ms  p99 ms  driver µs/request")

