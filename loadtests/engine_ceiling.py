@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -70,7 +69,8 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
                  seconds: float, engine_pid: int) -> dict[str, Any]:
     from coalesce.kernels.tokens import TokenizerAdapter
     from coalesce.loadtests.procs import cpu_seconds
-    from coalesce.service.batching.fair import DEFAULT_TENANT
+    from coalesce.loadtests.stats import summarize
+    from coalesce.service.batching.fair import DEFAULT_TENANT, PRIORITIES
     from coalesce.service.engine import messages as wire
     from coalesce.service.gateway.admission import Admission
     from coalesce.service.gateway.remote import EngineClient
@@ -102,7 +102,7 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
         now = time.monotonic()
         k = state["next"]
         state["next"] = k + 1
-        adm = Admission(DEFAULT_TENANT, 1.0, 1, 30.0, now + 30.0, now)
+        adm = Admission(DEFAULT_TENANT, 1.0, PRIORITIES["normal"], 30.0, now + 30.0, now)
         fut = client.submit(0, inputs[k % SENTENCES], adm)
         fut.add_done_callback(lambda f: done(client, f, now))
 
@@ -121,31 +121,32 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
     for client in clients:
         for _ in range(outstanding):
             send(client)
+    def read() -> tuple[int, int, float, float, float, tuple[float, float]]:
+        # (answered, answer messages, the engine's CPU, this process's, the clock, the engine's batches)
+        return (answered[0], answers[0], cpu_seconds(engine_pid), cpu_seconds(os.getpid()),
+                time.perf_counter(), _batches(metrics_dir))
+
     await asyncio.sleep(warmup_s)
-    n0, m0, e0, d0, t0 = answered[0], answers[0], cpu_seconds(engine_pid), _own_cpu(), time.perf_counter()
-    b0 = _batches(metrics_dir)
+
+    n0, m0, e0, d0, t0, b0 = read()
     window[0] = True
     await asyncio.sleep(seconds)
     window[0] = False
-    n1, m1, e1, d1, t1 = answered[0], answers[0], cpu_seconds(engine_pid), _own_cpu(), time.perf_counter()
-    b1 = _batches(metrics_dir)
+    n1, m1, e1, d1, t1, b1 = read()
     state["stop"] = True
     for client in clients:
         await client.drain(10.0)
         await client.close()
     if failed or lost:
         raise SystemExit(f"{len(failed)} requests failed ({failed[:1]!r}); lost: {lost[:1]}")
-    n, wall = n1 - n0, t1 - t0
+    n, wall, latency = n1 - n0, t1 - t0, summarize(latencies)
+    if n == 0 or latency is None:
+        raise SystemExit(f"no request answered in the {seconds:g} s window")
     return {"gateways": gateways, "outstanding": outstanding, "requests": n, "rps": n / wall,
             "engine_us": (e1 - e0) / n * 1e6, "engine_core": (e1 - e0) / wall,
             "driver_us": (d1 - d0) / n * 1e6, "per_answer": n / max(m1 - m0, 1),
             "mean_batch": (b1[0] - b0[0]) / max(b1[1] - b0[1], 1),
-            "p50_ms": _quantile(latencies, 0.5) * 1e3, "p99_ms": _quantile(latencies, 0.99) * 1e3}
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+            "p50_ms": latency.p50_ms, "p99_ms": latency.p99_ms}
 
 
 def _batches(metrics_dir: str) -> tuple[float, float]:
@@ -159,11 +160,6 @@ def _batches(metrics_dir: str) -> tuple[float, float]:
     found = {s.name: s.value for m in registry.collect() if m.name == "coalesce_batch_size"
              for s in m.samples}
     return found.get("coalesce_batch_size_sum", 0.0), found.get("coalesce_batch_size_count", 0.0)
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1.0,
