@@ -22,13 +22,12 @@ still works across gateways.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -110,43 +109,17 @@ def _all_ready(url: str, timeout: float = 120.0) -> None:
     raise RuntimeError(f"{url}: not every process became ready")
 
 
-Samples = dict[str, tuple[int, Any, Any]]  # process name -> pyspy_summary.summarise's (total, inclusive, own)
-
-
-def _sample(pids: dict[str, int], seconds: int) -> Samples | str:
-    """``py-spy record --gil`` of each of ``pids`` (by name) at once for ``seconds``: the samples of the
-    thread holding the interpreter lock, summarised (``pyspy_summary``); or why there are none."""
-    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-    if spy is None:
-        return "py-spy is not installed: `pip install 'coalesce[loadtest]'`"
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: subprocess.Popen(
-            [spy, "record", "-p", str(pid), "-r", "200", "-d", str(seconds), "--nonblocking", "--gil",
-             "-f", "raw", "-o", f"{tmp}/{name}.raw"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True) for name, pid in pids.items()}
-        out = {}
-        for name, run in runs.items():
-            _, err = run.communicate(timeout=seconds + 30)
-            path = Path(tmp) / f"{name}.raw"
-            if run.returncode != 0 or not path.exists():  # (it needs ptrace: root, or CAP_SYS_PTRACE)
-                return f"py-spy failed on the {name}: {err.strip().splitlines()[-1] if err.strip() else '?'}"
-            with path.open(encoding="utf-8", errors="replace") as f:
-                out[name] = pyspy_summary.summarise(f)
-        return out
-
-
 def wake_share(own: dict[str, int], total: int, calls: Iterable[str] = WAKE_CALLS) -> float:
     """The share of ``total`` samples whose own function is one of ``calls`` (names without their file)."""
     wanted = set(calls)
     return sum(n for name, n in own.items() if name.split(" (")[0] in wanted) / max(total, 1)
 
 
-def _profile(samples: Samples | str, top: int = 12) -> str:
-    if isinstance(samples, str):
-        return f"**Where the lock goes, live**: not sampled ({samples}).\n\n"
-    rows = []
+def _own_table(samples: pyspy_summary.Samples, top: int = 12) -> str:
+    """The ``top`` functions by own samples of each process of ``samples``, side by side, as shares."""
     names = list(samples)
     tops = {name: own.most_common(top) for name, (_, _, own) in samples.items()}
+    rows = []
     for i in range(top):
         row = []
         for name in names:
@@ -154,29 +127,53 @@ def _profile(samples: Samples | str, top: int = 12) -> str:
             got = tops[name][i] if i < len(tops[name]) else None
             row += [got[0] if got else "", f"{100 * got[1] / max(total, 1):.1f}%" if got else ""]
         rows.append(row)
-    shares = ", ".join(f"the {name}'s {100 * wake_share(own, total):.0f}% ({total:,} samples)"
-                       for name, (total, _, own) in samples.items())
+    return markdown_table([h for name in names for h in (f"{name}: function", "own")], rows)
+
+
+def _wake_shares(samples: pyspy_summary.Samples) -> str:
+    return ", ".join(f"the {name}'s {100 * wake_share(own, total):.0f}% ({total:,} samples)"
+                     for name, (total, _, own) in samples.items())
+
+
+def _profile(samples: pyspy_summary.Samples | str, top: int = 12) -> str:
+    if isinstance(samples, str):
+        return f"**Where the lock goes, live**: not sampled ({samples}).\n\n"
     return (
         f"**Where the lock goes, live** (`py-spy record --gil`, {SAMPLE_S} s at once of the engine and of "
         f"one gateway of the null `--workers 2` server under the {SATURATING_CLIENTS}-client load above; a "
         "function's own samples, which count the C calls it makes, as shares of all the process's samples). "
         f"The calls that wake another process or thread ({', '.join(f'`{c}`' for c in WAKE_CALLS)}: the "
         "sockets between the processes, the device thread's hand-off and answer, the HTTP response's write) "
-        f"took {shares}:\n\n"
-        + markdown_table([h for name in names for h in (f"{name}: function", "own")], rows)
+        f"took {_wake_shares(samples)}:\n\n"
+        + _own_table(samples, top)
         + "\n\n"
     )
 
 
-def _sample_under_load(server: Any, scenario: Scenario, out: Path) -> Samples | str:
-    """:func:`_sample` of ``server``'s engine and of one of its gateways while ``scenario`` (a few
-    seconds longer than the sampling) loads it."""
+def _fed_profile(row: dict[str, Any]) -> str:
+    """The engine's lock when it is the busy process: ``engine_ceiling --profile``'s row."""
+    spied = row["profile"]
+    caption = (f"**Where the lock goes when the engine is the busy process** (`engine_ceiling --profile "
+               f"{FED_PROFILE_S}`, its own run of the {FED[0]} × {FED[1]} row: {row['rps']:,.0f} requests/s "
+               f"there, py-spy beside it)")
+    if isinstance(spied, str):
+        return f"{caption}: not sampled ({spied}).\n\n"
+    own: collections.Counter[str] = collections.Counter(dict(spied["own"]))
+    samples: pyspy_summary.Samples = {"engine": (spied["total"], collections.Counter(), own)}
+    return (f"{caption}; the same calls that wake another thread or process took {_wake_shares(samples)}:\n\n"
+            + _own_table(samples) + "\n\n")
+
+
+def _sample_under_load(server: Any, scenario: Scenario, out: Path) -> pyspy_summary.Samples | str:
+    """:func:`.pyspy_summary.record_gil` of ``server``'s engine and of one of its gateways while
+    ``scenario`` (a few seconds longer than the sampling) loads it."""
     kids = {procs.role(pid): pid for pid in procs.children(server.proc.pid)}  # (one gateway of them)
     load = msgspec.structs.replace(scenario, duration=SAMPLE_S + 4.0, warmup=1.0)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_run, server.url, load, "null --workers 2 sampled", out)
         time.sleep(2.0)  # past the warm-up
-        samples = _sample({"engine": kids["engine"], "gateway": kids["gateway"]}, SAMPLE_S)
+        samples = pyspy_summary.record_gil({"engine": kids["engine"], "gateway": kids["gateway"]},
+                                           SAMPLE_S)
         running.result()
     return samples
 
@@ -200,16 +197,17 @@ def _engine_ops(*flags: str) -> dict[str, Any]:
 CEILING_ROWS = ((1, 2), (4, 2), (PROJECTED_CORES - 1, 1), (PROJECTED_CORES - 1, 2), (PROJECTED_CORES - 1, 4))
 FED = (PROJECTED_CORES - 1, 2)
 COMPASS_RPS = 20_000  # issue 25's goal for one 16-core H200 host
+FED_PROFILE_S = 5  # py-spy's sampling of the FED row's engine, in a run of its own
 
 
-def _engine_ceiling() -> list[dict[str, Any]]:
+def _engine_ceiling(*flags: str) -> list[dict[str, Any]]:
     """``coalesce.loadtests.engine_ceiling``'s rows for :data:`CEILING_ROWS` (its own process each run:
-    it starts an engine and drives it from its own event loop)."""
+    it starts an engine and drives it from its own event loop); with ``flags``, its rows for them."""
+    each = {g: ",".join(str(k) for h, k in CEILING_ROWS if h == g) for g, _ in CEILING_ROWS}
+    runs = [flags] if flags else [("--gateways", str(g), "--outstanding", ks) for g, ks in each.items()]
     rows: list[dict[str, Any]] = []
-    for gateways in dict.fromkeys(g for g, _ in CEILING_ROWS):
-        outstanding = ",".join(str(k) for g, k in CEILING_ROWS if g == gateways)
-        out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--json",
-                              "--gateways", str(gateways), "--outstanding", outstanding],
+    for run in runs:
+        out = subprocess.run([sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--json", *run],
                              capture_output=True, text=True, timeout=900, check=True).stdout
         rows += json.loads(out.strip().splitlines()[-1])["rows"]
     return rows
@@ -313,6 +311,8 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
     remains = _remains(_engine_ops(), _engine_ops("--gateways", str(MANY_GATEWAYS), "--jobs", "1,2"))
     fed_rows = _engine_ceiling()
     fed = next(r for r in fed_rows if (r["gateways"], r["outstanding"]) == FED)
+    (fed_spied,) = _engine_ceiling("--gateways", str(FED[0]), "--outstanding", str(FED[1]),
+                                   "--seconds", str(FED_PROFILE_S), "--profile", str(FED_PROFILE_S))
     ceiling = min(fed["rps"], gateway_cap)
     closed = Scenario(
         mode=Mode.CLOSED, concurrency=CLIENTS, duration=max(args.duration / ROUNDS, 5.0), warmup=3.0,
@@ -386,7 +386,9 @@ def engine(args: argparse.Namespace) -> tuple[str, str]:
         "each keeping K one-sentence requests in flight, no HTTP; 4 s after 1 s of warm-up a row; latency "
         "from a request's submit to its answer, the engine's share of it):\n\n"
         + _ceiling_table(fed_rows)
-        + f"\n\nProjection for a {PROJECTED_CORES}-core host (one core for the engine, "
+        + "\n\n"
+        + _fed_profile(fed_spied)
+        + f"Projection for a {PROJECTED_CORES}-core host (one core for the engine, "
         f"{PROJECTED_CORES - 1} for gateways): one engine takes ~{fed['rps']:,.0f} requests/s fed by "
         f"{FED[0]} gateways with {FED[1]} in flight each (more with more in flight: its batches grow and "
         f"each request pays less of them), the gateways ~{gateway_cap:,.0f}/s at the {saturated} figure, "

@@ -2,7 +2,7 @@
 its real sockets by many gateways at once, as a GPU host's gateways feed it.
 
     python -m coalesce.loadtests.engine_ceiling [--gateways 1,4,15] [--outstanding 2] [--seconds 4]
-                                                [--model PATH] [--json]
+                                                [--model PATH] [--profile S] [--json]
 
 The bench's engine section measures the engine behind HTTP gateways on this machine's two cores, where
 the gateways and the load generator take most of the CPU and the engine is never the busy process: at
@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+PROFILE_TOP = 15  # functions a row's profile lists
 SENTENCES = 4096  # distinct inputs, cycled: far more than are ever in flight, so none is shared in a batch
 
 
@@ -66,9 +67,10 @@ def _engine_command(directory: str, gateways: int, model: str | None) -> list[st
 
 
 async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: int, warmup_s: float,
-                 seconds: float, engine_pid: int) -> dict[str, Any]:
+                 seconds: float, engine_pid: int, profile_s: int = 0) -> dict[str, Any]:
     from coalesce.kernels.tokens import TokenizerAdapter
     from coalesce.loadtests.procs import cpu_seconds
+    from coalesce.loadtests.pyspy_summary import record_gil
     from coalesce.loadtests.stats import summarize
     from coalesce.service.batching.fair import DEFAULT_TENANT, PRIORITIES
     from coalesce.service.engine import messages as wire
@@ -130,9 +132,12 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
 
     n0, m0, e0, d0, t0, b0 = read()
     window[0] = True
+    spying = asyncio.ensure_future(asyncio.to_thread(record_gil, {"engine": engine_pid}, profile_s)) \
+        if profile_s > 0 else None
     await asyncio.sleep(seconds)
     window[0] = False
     n1, m1, e1, d1, t1, b1 = read()
+    spied = await spying if spying is not None else None
     state["stop"] = True
     for client in clients:
         await client.drain(10.0)
@@ -146,7 +151,17 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
             "engine_us": (e1 - e0) / n * 1e6, "engine_core": (e1 - e0) / wall,
             "driver_us": (d1 - d0) / n * 1e6, "per_answer": n / max(m1 - m0, 1),
             "mean_batch": (b1[0] - b0[0]) / max(b1[1] - b0[1], 1),
-            "p50_ms": latency.p50_ms, "p99_ms": latency.p99_ms}
+            "p50_ms": latency.p50_ms, "p99_ms": latency.p99_ms,
+            **({"profile": _top(spied, PROFILE_TOP)} if spied is not None else {})}
+
+
+def _top(spied: Any, n: int) -> dict[str, Any] | str:
+    """``record_gil``'s engine summary as JSON: its samples and the ``n`` functions with the most of
+    their own; or why there are none."""
+    if isinstance(spied, str):
+        return spied
+    total, _, own = spied["engine"]
+    return {"total": total, "own": own.most_common(n)}
 
 
 def _batches(metrics_dir: str) -> tuple[float, float]:
@@ -163,10 +178,11 @@ def _batches(metrics_dir: str) -> tuple[float, float]:
 
 
 def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1.0,
-            model: str | None = None) -> dict[str, Any]:
+            model: str | None = None, profile_s: int = 0) -> dict[str, Any]:
     """One row: an engine process of its own, fed by ``gateways`` clients of ``outstanding`` each;
     ``model``: the model directory whose tokenizer and facts the null model takes (None: the packaged
-    one)."""
+    one); ``profile_s`` > 0: py-spy on the engine for that long from the window's start (the row's
+    ``profile``)."""
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="coalesce-ceiling-") as directory:
@@ -180,8 +196,8 @@ def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1
             engine = subprocess.Popen(_engine_command(directory, gateways, model), env=env, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            return uvloop.run(
-                _drive(directory, metrics_dir, gateways, outstanding, warmup_s, seconds, engine.pid))
+            return uvloop.run(_drive(directory, metrics_dir, gateways, outstanding, warmup_s, seconds,
+                                     engine.pid, profile_s))
         except BaseException:
             sys.stderr.write(log.read_text(errors="replace")[-3000:])
             raise
@@ -203,9 +219,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per row (4)")
     p.add_argument("--model", metavar="PATH", help="the model directory (default: the packaged one; the GPU "
                    "bundle's where there is none)")
+    p.add_argument("--profile", type=int, default=0, metavar="S",
+                   help="py-spy (--gil) on the engine for S whole seconds of each row's window, S at most "
+                   "--seconds: the functions holding its interpreter lock most, after the table (py-spy "
+                   "beside it takes CPU of its own: read the row's other figures from a run without it)")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = p.parse_args(argv)
-    rows = [measure(int(g), int(k), args.seconds, model=args.model)
+    if args.profile > args.seconds:
+        p.error("--profile must be at most --seconds")
+    rows = [measure(int(g), int(k), args.seconds, model=args.model, profile_s=args.profile)
             for g in args.gateways.split(",") for k in args.outstanding.split(",")]
     print("gateways  in flight  requests/s  engine µs/request  engine core  mean batch  requests/answer  "
           "p50 ms  p99 ms  driver µs/request")
@@ -213,6 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r['gateways']:>8}  {r['gateways'] * r['outstanding']:>9}  {r['rps']:>10,.0f}  "
               f"{r['engine_us']:>17.1f}  {r['engine_core']:>11.2f}  {r['mean_batch']:>10.2f}  "
               f"{r['per_answer']:>15.2f}  {r['p50_ms']:>6.2f}  {r['p99_ms']:>6.2f}  {r['driver_us']:>17.1f}")
+    for r in rows:
+        if "profile" in r:
+            spied = r["profile"]
+            said = f" ({spied['total']:,}):" if isinstance(spied, dict) else f": {spied}"
+            print(f"\n{r['gateways']} gateways x {r['outstanding']}: where the engine's interpreter lock "
+                  f"went, own samples{said}")
+            for name, n in spied["own"] if isinstance(spied, dict) else []:
+                print(f"  {100 * n / max(spied['total'], 1):5.1f}%  {name}")
     if args.json:
         print(json.dumps({"rows": rows}))
     return 0

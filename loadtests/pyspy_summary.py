@@ -5,7 +5,9 @@ most samples, inclusive (anywhere on the stack) and own (at its top), as shares 
 
 ``kernels/gpu_engine_profile.sh`` writes such files on the GPU machine (the engine process under load);
 this reads them here, gzipped too (``FILE.gz``: the samples BENCHMARKS quotes are kept so, in
-``loadtests/gpu/profiles``). Standard library only.
+``loadtests/gpu/profiles``). :func:`record_gil` runs ``py-spy record --gil`` on live processes and
+summarises what it took (the bench's engine section, ``engine_ceiling --profile``). Standard library only
+(py-spy itself is the ``loadtest`` extra's).
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ import collections
 import gzip
 import os
 import re
-from collections.abc import Iterable, Sequence
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 _FRAME = re.compile(r"(.*?) \((.*?)(?::\d+)?\)$")
 
@@ -49,6 +56,32 @@ def summarise(lines: Iterable[str]) -> tuple[int, collections.Counter[str], coll
             inclusive[name] += n
         own[names[-1]] += n
     return total, inclusive, own
+
+
+Samples = dict[str, tuple[int, collections.Counter[str], collections.Counter[str]]]  # name -> summarise's
+
+
+def record_gil(pids: Mapping[str, int], seconds: int) -> Samples | str:
+    """``py-spy record --gil`` of each of ``pids`` (by name) at once for ``seconds`` (whole: py-spy takes
+    no fraction): the samples of the thread holding the interpreter lock, summarised; or why there are
+    none (py-spy's first line on its error stream). Blocks for ``seconds``."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        return "py-spy is not installed: `pip install 'coalesce[loadtest]'`"
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: subprocess.Popen(
+            [spy, "record", "-p", str(pid), "-r", "200", "-d", str(seconds), "--nonblocking", "--gil",
+             "-f", "raw", "-o", f"{tmp}/{name}.raw"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True) for name, pid in pids.items()}
+        out = {}
+        for name, run in runs.items():
+            _, err = run.communicate(timeout=seconds + 30)
+            path = Path(tmp) / f"{name}.raw"
+            if run.returncode != 0 or not path.exists():  # (it needs ptrace: root, or CAP_SYS_PTRACE)
+                return f"py-spy failed on the {name}: {err.strip().splitlines()[0] if err.strip() else '?'}"
+            with path.open(encoding="utf-8", errors="replace") as f:
+                out[name] = summarise(f)
+        return out
 
 
 def render(total: int, inclusive: collections.Counter[str], own: collections.Counter[str], top: int) -> str:

