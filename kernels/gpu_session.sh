@@ -7,7 +7,8 @@
 # Installs the bundle's wheels, writes random weights into its model directory, runs the GPU tests, the
 # engine alone on this host's CPU (engine_ops, engine_ceiling) and then gpu_check (correctness, capture
 # cost, latency table, service throughput) against that model, with py-spy sampling the first
-# multi-process row's engine under load (`--workers auto`; when the bundle carries py-spy, as `make gpu-bundle` packs it).
+# multi-process row's engine under load (`--workers auto`; when the bundle carries py-spy, as
+# `make gpu-bundle` packs it).
 #
 # Device time: at most 500 s of script (the step limits below, their kill graces included); on the H200
 # of 2026-12-04 07:05 the whole script took 118 s (the GPU tests 29 s, gpu_check with three services
