@@ -54,6 +54,10 @@ engine_ops() {
         # (this host's CPU; the forward costs nothing): what it takes at 1, 2 and 4 requests in flight each.
         timeout -k 2 45 "$py" -m coalesce.loadtests.engine_ceiling --gateways 15 --outstanding 1,2,4 \
             --seconds 3 --model "$model"
+        # The same engine running the model's own forward on the GPU (graphs captured within 5 s, as
+        # $serve's): what the device's own CPU work (launches, copies, the wait) adds to a request.
+        timeout -k 2 60 "$py" -m coalesce.loadtests.engine_ceiling --gateways 15 --outstanding 2,4 \
+            --seconds 3 --model "$model" --real --serve-arg=--graph-capture-budget-s --serve-arg=5
     } > "$out/engine-ops.txt" 2>&1
     cat "$out/engine-ops.txt"
 }

@@ -10,13 +10,14 @@
 # multi-process row's engine under load (`--workers auto`; when the bundle carries py-spy, as
 # `make gpu-bundle` packs it).
 #
-# Device time: at most 500 s of script (the step limits below, their kill graces included); on the H200
+# Device time: at most 565 s of script (the step limits below, their kill graces included); on the H200
 # of 2026-12-04 07:05 the whole script took 118 s (the GPU tests 29 s, gpu_check with three services
-# about 75 s; engine_ops, added since, takes about 30 s, and engine_ceiling about 25 s on the 2-core CPU
-# machine); the machine's start comes on top. Give the device call a limit of 550 s or more, so that this
-# script's own limits, not the call's, are the ones that fire:
-#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 90 s, engine_ops 3x30 s, engine_ceiling 45 s,
-#     gpu_check 140 s (+ 2-3 s kill grace each)
+# about 75 s; engine_ops, added since, takes about 30 s, and engine_ceiling's null-model rows about 25 s
+# on the 2-core CPU machine, its two rows on the GPU's forward an engine start each on top); the
+# machine's start comes on top. Give the device call a limit of 600 s (the most a call may have), so
+# that this script's own limits, not the call's, are the ones that fire:
+#     install 40 s, weights 60 s, nvidia-smi 10 s, GPU tests 90 s, engine_ops 3x30 s, engine_ceiling 45 s
+#     and 60 s, gpu_check 140 s (+ 2-3 s kill grace each)
 # (install and weights were 15 s and 20 s until a fresh machine's first imports ran past them, silently:
 # a failed step now says which and when, in machine.txt too; the GPU tests' 45 s killed the last test
 # at 13:30 the same day, on a machine whose host side ran 2.3x slower: alone they took 42 s there).
@@ -27,7 +28,7 @@
 # finished: machine.txt, gpu-tests.log, gpu_check's sections (header.txt, correctness.txt, capture.txt,
 # latency.txt, service.txt; a line at a time), its status.txt (complete, or where it stopped), the
 # services' logs (service-1.log, service-2.log), gpu-check.err (progress and warnings), engine-ops.txt
-# (engine_ops' rows, then engine_ceiling's),
+# (engine_ops' rows, then engine_ceiling's: the null model's, then the GPU forward's),
 # and engine-gil.raw with engine-py-spy.log (`python -m coalesce.loadtests.pyspy_summary` reads the first).
 # GPU_CHECK_ARGS adds gpu_check flags, last, so they override (a CPU dry run: GPU_CHECK_ARGS="--device cpu ...").
 set -uo pipefail

@@ -2,7 +2,8 @@
 its real sockets by many gateways at once, as a GPU host's gateways feed it.
 
     python -m coalesce.loadtests.engine_ceiling [--gateways 1,4,15] [--outstanding 2] [--seconds 4]
-                                                [--model PATH] [--profile S] [--json]
+                                                [--model PATH] [--real] [--serve-arg FLAG ...]
+                                                [--profile S] [--json]
 
 The bench's engine section measures the engine behind HTTP gateways on this machine's two cores, where
 the gateways and the load generator take most of the CPU and the engine is never the busy process: at
@@ -30,7 +31,8 @@ at that many in flight; below that, this process (on another core) could not sen
 cost to the gateways is not here: see the bench's engine section (gateways µs/req) and ``gateway_ops``.
 The forward costs nothing: a real device's own CPU (a GPU's launches and copies, on the device thread)
 comes on top, and a batch that waits on a busy device costs the engine more wake-ups (``engine_ops
---forward-us``).
+--forward-us``). ``--real`` measures those too: the engine runs the model's own forward on its device
+(on a GPU host, the engine as served; on a CPU the forward itself then takes the cores).
 """
 
 from __future__ import annotations
@@ -59,11 +61,12 @@ def _sentences(n: int) -> list[str]:
             for i in range(n)]
 
 
-def _engine_command(directory: str, gateways: int, model: str | None) -> list[str]:
+def _engine_command(directory: str, gateways: int, model: str | None, real: bool,
+                    serve_args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "coalesce.service.cli", "serve", "--role", "engine",
             "--engine-dir", directory, "--workers", str(gateways), "--worker-id", "0", "--cache-mb", "0",
-            "--runner-factory", "coalesce.loadtests.nullmodel:factory",
-            *(["--model", model] if model else [])]
+            *([] if real else ["--runner-factory", "coalesce.loadtests.nullmodel:factory"]),
+            *(["--model", model] if model else []), *serve_args]
 
 
 async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: int, warmup_s: float,
@@ -178,11 +181,13 @@ def _batches(metrics_dir: str) -> tuple[float, float]:
 
 
 def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1.0,
-            model: str | None = None, profile_s: int = 0) -> dict[str, Any]:
+            model: str | None = None, profile_s: int = 0, real: bool = False,
+            serve_args: Sequence[str] = ()) -> dict[str, Any]:
     """One row: an engine process of its own, fed by ``gateways`` clients of ``outstanding`` each;
     ``model``: the model directory whose tokenizer and facts the null model takes (None: the packaged
     one); ``profile_s`` > 0: py-spy on the engine for that long from the window's start (the row's
-    ``profile``)."""
+    ``profile``); ``real``: the engine runs the model itself (its forward on its device), not the null
+    model; ``serve_args``: more ``coalesce serve`` flags for the engine."""
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="coalesce-ceiling-") as directory:
@@ -193,8 +198,8 @@ def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1
                "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         log = Path(directory) / "engine.log"
         with log.open("wb") as out:
-            engine = subprocess.Popen(_engine_command(directory, gateways, model), env=env, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+            engine = subprocess.Popen(_engine_command(directory, gateways, model, real, serve_args), env=env,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return uvloop.run(_drive(directory, metrics_dir, gateways, outstanding, warmup_s, seconds,
                                      engine.pid, profile_s))
@@ -223,11 +228,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="py-spy (--gil) on the engine for S whole seconds of each row's window, S at most "
                    "--seconds: the functions holding its interpreter lock most, after the table (py-spy "
                    "beside it takes CPU of its own: read the row's other figures from a run without it)")
+    p.add_argument("--real", action="store_true",
+                   help="the engine runs the model's own forward on its device (auto: the GPU where there is "
+                   "one) instead of the null model's: what the device's own CPU work adds")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                   help="a `coalesce serve` flag for the engine, repeated for each (--serve-arg=--dtype ...)")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = p.parse_args(argv)
     if args.profile > args.seconds:
         p.error("--profile must be at most --seconds")
-    rows = [measure(int(g), int(k), args.seconds, model=args.model, profile_s=args.profile)
+    rows = [measure(int(g), int(k), args.seconds, model=args.model, profile_s=args.profile, real=args.real,
+                    serve_args=args.serve_arg)
             for g in args.gateways.split(",") for k in args.outstanding.split(",")]
     print("gateways  in flight  requests/s  engine µs/request  engine core  mean batch  requests/answer  "
           "p50 ms  p99 ms  driver µs/request")

@@ -46,3 +46,21 @@ def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_bat
         assert any("service/" in name for name, _ in spied["own"]), spied  # the engine's own code
     running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "coalesce-ceiling-" not in running  # (its --engine-dir: the tool's own temporary directory)
+
+
+def test_with_real_the_engine_runs_the_models_own_forward_with_the_flags_given() -> None:
+    """``--real``: the engine process serves the model itself (its forward on the CPU here), with the
+    ``--serve-arg`` flags given (``--max-batch-size 1``: every batch one input, where six in flight make
+    batches of about three without it). Its CPU per request is
+    then mostly the forward's, many times what a request costs the driver's Python (about three times
+    with the null model)."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    out = subprocess.run(
+        [sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--gateways", "3", "--outstanding", "2",
+         "--seconds", "1", "--real", "--serve-arg=--device", "--serve-arg=cpu",
+         "--serve-arg=--max-batch-size", "--serve-arg=1", "--json"],
+        capture_output=True, text=True, timeout=240, check=True, env={**env, "HF_HUB_OFFLINE": "1"},
+    )
+    (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    assert row["requests"] > 0 and row["mean_batch"] == 1.0, row
+    assert row["engine_us"] >= 5 * row["driver_us"], row
