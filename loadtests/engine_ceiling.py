@@ -184,10 +184,11 @@ def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1
             model: str | None = None, profile_s: int = 0, real: bool = False,
             serve_args: Sequence[str] = ()) -> dict[str, Any]:
     """One row: an engine process of its own, fed by ``gateways`` clients of ``outstanding`` each;
-    ``model``: the model directory whose tokenizer and facts the null model takes (None: the packaged
-    one); ``profile_s`` > 0: py-spy on the engine for that long from the window's start (the row's
-    ``profile``); ``real``: the engine runs the model itself (its forward on its device), not the null
-    model; ``serve_args``: more ``coalesce serve`` flags for the engine."""
+    ``model``: the model directory (None: the packaged one), whose tokenizer and facts the null model
+    takes, or which the engine serves itself with ``real``; ``profile_s`` > 0: py-spy on the engine for
+    that long from the window's start (the row's ``profile``); ``real``: the engine runs the model itself
+    (its forward on its device), not the null model; ``serve_args``: more ``coalesce serve`` flags for
+    the engine."""
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="coalesce-ceiling-") as directory:
