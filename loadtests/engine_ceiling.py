@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -55,10 +56,12 @@ SENTENCES = 4096  # distinct inputs, cycled: far more than are ever in flight, s
 
 
 def _sentences(n: int) -> list[str]:
-    words = ("river", "engine", "garden", "signal", "market", "winter", "copper", "violin", "harbor",
-             "planet")
-    return [f"The {words[i % 10]} near the {words[i // 10 % 10]} opened at {i} past {words[i // 100 % 10]}."
-            for i in range(n)]
+    """``n`` texts of the bench's short mix (``workload``'s search queries: the HTTP rows' requests)."""
+    from coalesce.loadtests.workload import Mix, TextSource, sample_length
+
+    rng = random.Random(0)
+    source = TextSource(rng)
+    return [source.text(sample_length(Mix.SHORT, rng)) for _ in range(n)]
 
 
 def _engine_command(directory: str, gateways: int, model: str | None, real: bool,
@@ -96,7 +99,6 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
         raise SystemExit(f"the engine could not load its model: {welcome.error}")
     tokens = TokenizerAdapter.from_spec(welcome.models[0].tokenizer)
     inputs = [[tokens.with_special_tokens(ids)] for ids in tokens.tokenize(_sentences(SENTENCES))]
-    answered = [0]
     failed: list[BaseException] = []
     state = {"stop": False, "next": 0}
 
@@ -117,7 +119,6 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
         if fut.exception() is not None:
             failed.append(fut.exception())  # type: ignore[arg-type]
             return
-        answered[0] += 1
         if window[0]:
             latencies.append(time.monotonic() - sent)
         if not state["stop"]:
@@ -126,20 +127,20 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
     for client in clients:
         for _ in range(outstanding):
             send(client)
-    def read() -> tuple[int, int, float, float, float, tuple[float, float]]:
-        # (answered, answer messages, the engine's CPU, this process's, the clock, the engine's batches)
-        return (answered[0], answers[0], cpu_seconds(engine_pid), cpu_seconds(os.getpid()),
-                time.perf_counter(), _batches(metrics_dir))
+    def read() -> tuple[int, float, float, float, tuple[float, float]]:
+        # (answer messages, the engine's CPU, this process's, the clock, the engine's batches)
+        return (answers[0], cpu_seconds(engine_pid), cpu_seconds(os.getpid()), time.perf_counter(),
+                _batches(metrics_dir))
 
     await asyncio.sleep(warmup_s)
 
-    n0, m0, e0, d0, t0, b0 = read()
+    m0, e0, d0, t0, b0 = read()
     window[0] = True
     spying = asyncio.ensure_future(asyncio.to_thread(record_gil, {"engine": engine_pid}, profile_s)) \
         if profile_s > 0 else None
     await asyncio.sleep(seconds)
     window[0] = False
-    n1, m1, e1, d1, t1, b1 = read()
+    m1, e1, d1, t1, b1 = read()
     spied = await spying if spying is not None else None
     state["stop"] = True
     for client in clients:
@@ -147,7 +148,7 @@ async def _drive(directory: str, metrics_dir: str, gateways: int, outstanding: i
         await client.close()
     if failed or lost:
         raise SystemExit(f"{len(failed)} requests failed ({failed[:1]!r}); lost: {lost[:1]}")
-    n, wall, latency = n1 - n0, t1 - t0, summarize(latencies)
+    n, wall, latency = len(latencies), t1 - t0, summarize(latencies)  # (the window's answers)
     if n == 0 or latency is None:
         raise SystemExit(f"no request answered in the {seconds:g} s window")
     return {"gateways": gateways, "outstanding": outstanding, "requests": n, "rps": n / wall,
@@ -217,6 +218,8 @@ def measure(gateways: int, outstanding: int, seconds: float, warmup_s: float = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from coalesce.loadtests.pyspy_summary import shares
+
     p = argparse.ArgumentParser(prog="python -m coalesce.loadtests.engine_ceiling",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gateways", default="1,4,15", help="comma-separated gateway counts (1,4,15)")
@@ -253,8 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             said = f" ({spied['total']:,}):" if isinstance(spied, dict) else f": {spied}"
             print(f"\n{r['gateways']} gateways x {r['outstanding']}: where the engine's interpreter lock "
                   f"went, own samples{said}")
-            for name, n in spied["own"] if isinstance(spied, dict) else []:
-                print(f"  {100 * n / max(spied['total'], 1):5.1f}%  {name}")
+            if isinstance(spied, dict):
+                print("\n".join(shares(spied["total"], spied["own"])))
     if args.json:
         print(json.dumps({"rows": rows}))
     return 0

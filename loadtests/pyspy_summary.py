@@ -84,11 +84,16 @@ def record_gil(pids: Mapping[str, int], seconds: int) -> Samples | str:
         return out
 
 
+def shares(total: int, counts: Iterable[tuple[str, int]]) -> list[str]:
+    """A line for each ``(function, samples)``: its share of ``total``, then its name."""
+    return [f"  {100 * n / max(total, 1):5.1f}%  {name}" for name, n in counts]
+
+
 def render(total: int, inclusive: collections.Counter[str], own: collections.Counter[str], top: int) -> str:
     out = [f"{total} samples"]
     for title, counts in (("inclusive", inclusive), ("own", own)):
         out.append(f"{title}:")
-        out += [f"  {100 * n / max(total, 1):5.1f}%  {name}" for name, n in counts.most_common(top)]
+        out += shares(total, counts.most_common(top))
     return "\n".join(out)
 
 

